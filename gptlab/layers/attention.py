@@ -1,0 +1,123 @@
+"""Causal multi-head self-attention as in GPT-2, in the row convention of code (x is B, T, C).
+
+    qkv = x @ w_attn + b_attn                        (B, T, 3C)  fused query/key/value projection
+    q, k, v = split(qkv) into NH heads of size hs    (B, NH, T, hs) each
+    att = softmax(mask(q @ k^T / sqrt(hs)))          (B, NH, T, T), row t = weights of query t
+    y = merge_heads(att @ v) @ w_proj + b_proj       (B, T, C)
+
+Here ``att[t, i]`` is the weight that query t gives to key i: the transpose of the column
+convention of ``attention_single``. The causal mask keeps i <= t (the lower triangle).
+
+Book: chapter 3 (forward) and chapter 7 (backward).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..backend import array_device, array_namespace
+from ..checks import require_float, require_shape
+from .linear import linear_backward, linear_forward
+from .softmax import softmax_backward, softmax_forward
+
+
+def causal_mask_rows(T: int, like):
+    """(T, T) boolean, True where query t may see key i, i.e. i <= t (lower triangle)."""
+    xp = array_namespace(like)
+    i = xp.arange(T, device=array_device(like))  # (T,)
+    return i[None, :] <= i[:, None]  # (T, T)
+
+
+def split_heads(x, n_head: int):
+    """(B, T, C) -> (B, NH, T, hs)."""
+    xp = array_namespace(x)
+    B, T, C = x.shape
+    return xp.permute_dims(xp.reshape(x, (B, T, n_head, C // n_head)), (0, 2, 1, 3))
+
+
+def split_qkv(qkv, n_head: int):
+    """The fused projection (B, T, 3C) -> q, k, v, each (B, NH, T, hs)."""
+    C = qkv.shape[-1] // 3
+    q = split_heads(qkv[..., :C], n_head)  # (B, NH, T, hs)
+    k = split_heads(qkv[..., C : 2 * C], n_head)  # (B, NH, T, hs)
+    v = split_heads(qkv[..., 2 * C :], n_head)  # (B, NH, T, hs)
+    return q, k, v
+
+
+def merge_heads(x):
+    """(B, NH, T, hs) -> (B, T, C)."""
+    xp = array_namespace(x)
+    B, NH, T, hs = x.shape
+    return xp.reshape(xp.permute_dims(x, (0, 2, 1, 3)), (B, T, NH * hs))
+
+
+def multihead_forward(qkv, *, n_head: int, causal: bool = True):
+    """The attention core: qkv (B, T, 3C) -> y (B, T, C), heads merged, before c_proj."""
+    xp = array_namespace(qkv)
+    require_float("qkv", qkv)
+    B, T, C3 = qkv.shape
+    if C3 % (3 * n_head) != 0:
+        raise ValueError(f"qkv width {C3} is not 3 * n_head * head_size for n_head={n_head}")
+    C = C3 // 3
+    hs = C // n_head
+    q, k, v = split_qkv(qkv, n_head)  # (B, NH, T, hs) each
+    scores = q @ k.mT / math.sqrt(hs)  # (B, NH, T, T)
+    if causal:
+        scores = xp.where(causal_mask_rows(T, qkv), scores, -math.inf)  # (B, NH, T, T)
+    att, softmax_cache = softmax_forward(scores, axis=-1)  # (B, NH, T, T), rows sum to 1
+    y = merge_heads(att @ v)  # (B, T, C)
+    return y, (q, k, v, att, softmax_cache)
+
+
+def multihead_backward(dy, cache):
+    """dy (B, T, C) -> (dqkv (B, T, 3C),)."""
+    xp = array_namespace(dy)
+    q, k, v, att, softmax_cache = cache
+    n_head, hs = q.shape[1], q.shape[3]
+    # y = merge_heads(att @ v)
+    dyh = split_heads(dy, n_head)  # (B, NH, T, hs)
+    datt = dyh @ v.mT  # (B, NH, T, T)
+    dv = att.mT @ dyh  # (B, NH, T, hs)
+    # att = softmax(scores) row by row; masked entries have att = 0 and so get no gradient
+    (dscores,) = softmax_backward(datt, softmax_cache)  # (B, NH, T, T)
+    # scores = q @ k^T / sqrt(hs)
+    dq = dscores @ k / math.sqrt(hs)  # (B, NH, T, hs)
+    dk = dscores.mT @ q / math.sqrt(hs)  # (B, NH, T, hs)
+    # q, k, v = split(qkv)
+    dqkv = xp.concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)], axis=-1)  # (B,T,3C)
+    return (dqkv,)
+
+
+def attention_forward(x, w_attn, b_attn, w_proj, b_proj, *, n_head: int, causal: bool = True):
+    """x (B, T, C), w_attn (C, 3C), b_attn (3C,), w_proj (C, C), b_proj (C,) -> y (B, T, C)."""
+    require_float("x", x)
+    if len(x.shape) != 3:
+        raise ValueError(f"x must have shape (B, T, C), got {tuple(x.shape)}")
+    C = x.shape[-1]
+    if C % n_head != 0:
+        raise ValueError(f"n_embd ({C}) must be divisible by n_head ({n_head})")
+    require_shape("w_attn", w_attn, (C, 3 * C))
+    require_shape("w_proj", w_proj, (C, C))
+    qkv, attn_cache = linear_forward(x, w_attn, b_attn)  # (B, T, 3C)
+    heads, core_cache = multihead_forward(qkv, n_head=n_head, causal=causal)  # (B, T, C)
+    y, proj_cache = linear_forward(heads, w_proj, b_proj)  # (B, T, C)
+    return y, (attn_cache, core_cache, proj_cache)
+
+
+def attention_backward(dy, cache):
+    """dy (B, T, C) -> (dx, dw_attn, db_attn, dw_proj, db_proj)."""
+    attn_cache, core_cache, proj_cache = cache
+    # y = heads @ w_proj + b_proj
+    dheads, dw_proj, db_proj = linear_backward(dy, proj_cache)  # (B, T, C)
+    # heads = multihead(qkv)
+    (dqkv,) = multihead_backward(dheads, core_cache)  # (B, T, 3C)
+    # qkv = x @ w_attn + b_attn
+    dx, dw_attn, db_attn = linear_backward(dqkv, attn_cache)  # (B, T, C)
+    return dx, dw_attn, db_attn, dw_proj, db_proj
+
+
+def attention_weights(x, w_attn, b_attn, *, n_head: int, causal: bool = True):
+    """The attention maps alone: x (B, T, C) -> att (B, NH, T, T), for heatmaps."""
+    qkv, _ = linear_forward(x, w_attn, b_attn)  # (B, T, 3C)
+    _, (_, _, _, att, _) = multihead_forward(qkv, n_head=n_head, causal=causal)
+    return att

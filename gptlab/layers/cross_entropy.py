@@ -1,0 +1,44 @@
+"""Softmax cross-entropy fused into one layer, averaged over all positions.
+
+    loss = -(1/N) sum_n log softmax(logits_n)[target_n]          (N = B*T)
+         = (1/N) sum_n (logsumexp(logits_n) - logits_n[target_n])
+    dlogits = (probs - onehot(targets)) / N
+
+Book: chapter 6, "Softmax and cross-entropy".
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..backend import array_namespace, one_hot, take_along_last
+from ..checks import require_float, require_ids_in_range, require_int
+
+
+def cross_entropy_forward(logits, targets):
+    """logits (..., V), targets (...) integer ids -> (loss (), cache). Mean over positions."""
+    xp = array_namespace(logits)
+    require_float("logits", logits)
+    require_int("targets", targets)
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"targets has shape {tuple(targets.shape)} but logits has shape {tuple(logits.shape)}:"
+            " expected targets.shape == logits.shape[:-1]"
+        )
+    require_ids_in_range("targets", targets, logits.shape[-1])
+    shifted = logits - xp.max(logits, axis=-1, keepdims=True)  # (..., V)
+    logsumexp = xp.log(xp.sum(xp.exp(shifted), axis=-1))  # (...)
+    logprob_target = take_along_last(shifted, targets) - logsumexp  # (...)
+    N = math.prod(targets.shape)
+    loss = -xp.sum(logprob_target) / N  # ()
+    probs = xp.exp(shifted - logsumexp[..., None])  # (..., V)
+    return loss, (probs, targets)
+
+
+def cross_entropy_backward(dloss, cache):
+    """dloss (scalar, usually 1.0) -> (dlogits (..., V),)."""
+    probs, targets = cache
+    N = math.prod(targets.shape)
+    # loss = mean_n(logsumexp(logits_n) - logits_n[target_n])
+    dlogits = (probs - one_hot(targets, probs.shape[-1], dtype=probs.dtype)) * (dloss / N)  # (...,V)
+    return (dlogits,)

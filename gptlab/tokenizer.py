@@ -1,0 +1,127 @@
+"""Tokenizers: text <-> integer ids.
+
+``CharTokenizer`` maps each character of the training text to its rank in the sorted set of
+characters: the smallest vocabulary that covers the text, and the one the book trains first.
+Every tokenizer is a ``Tokenizer`` (``encode``, ``decode``, ``vocab_size``, ``to_dict``) and
+saves to a JSON file whose ``"type"`` field names its class, so ``load_tokenizer`` can read any
+of them back (byte-level BPE plugs in by registering one more class in ``TOKENIZERS``).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from pathlib import Path
+
+
+class Tokenizer(ABC):
+    """The interface every tokenizer implements."""
+
+    type: str  # the "type" field of the saved JSON
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    @abstractmethod
+    def to_dict(self) -> dict:
+        """A JSON-friendly dict with a ``"type"`` field; ``from_dict`` inverts it."""
+
+    @classmethod
+    @abstractmethod
+    def from_dict(cls, data: dict) -> Tokenizer: ...
+
+    def save(self, path) -> None:
+        """Write ``to_dict()`` as JSON to ``path``."""
+        Path(path).write_text(json.dumps(self.to_dict()), encoding="utf-8")
+
+
+class CharTokenizer(Tokenizer):
+    """One token per character: id = rank of the character in the sorted vocabulary."""
+
+    type = "char"
+
+    def __init__(self, chars: Iterable[str]):
+        chars = list(chars)
+        if not chars:
+            raise ValueError("a CharTokenizer needs at least one character")
+        if any(not isinstance(ch, str) or len(ch) != 1 for ch in chars):
+            raise ValueError("a CharTokenizer vocabulary must be single characters")
+        if len(set(chars)) != len(chars) or chars != sorted(chars):
+            raise ValueError("a CharTokenizer vocabulary must be sorted and free of duplicates")
+        self.chars = chars
+        self.ids = {ch: i for i, ch in enumerate(chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        """The vocabulary of ``text``: its distinct characters, sorted."""
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted(set(text) - self.ids.keys())
+        if unknown:
+            first = text.index(unknown[0])
+            raise ValueError(
+                f"cannot encode {len(unknown)} character(s) outside the vocabulary, e.g. "
+                f"{unknown[0]!r} at position {first}: {unknown[:10]!r}"
+            )
+        return [self.ids[ch] for ch in text]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"cannot decode id {bad[0]}: ids must be in [0, {self.vocab_size}) "
+                f"({len(bad)} out of range)"
+            )
+        return "".join(self.chars[i] for i in ids)
+
+    def to_dict(self) -> dict:
+        return {"type": self.type, "chars": self.chars}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CharTokenizer:
+        if data.get("type") != cls.type or "chars" not in data:
+            raise ValueError(f"not a char tokenizer: expected type {cls.type!r} and a 'chars' list")
+        return cls(data["chars"])
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+TOKENIZERS: dict[str, type[Tokenizer]] = {CharTokenizer.type: CharTokenizer}
+
+
+def tokenizer_from_dict(data: dict) -> Tokenizer:
+    """The tokenizer saved as ``data``, picked by its ``"type"`` field."""
+    kind = data.get("type") if isinstance(data, dict) else None
+    if kind not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer type {kind!r}: expected one of {sorted(TOKENIZERS)}")
+    return TOKENIZERS[kind].from_dict(data)
+
+
+def load_tokenizer(path) -> Tokenizer:
+    """Read a tokenizer JSON file written by ``Tokenizer.save``."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a tokenizer JSON file ({err})") from err
+    try:
+        return tokenizer_from_dict(data)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
+
+
+__all__ = ["Tokenizer", "CharTokenizer", "TOKENIZERS", "tokenizer_from_dict", "load_tokenizer"]

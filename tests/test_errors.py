@@ -1,0 +1,297 @@
+"""Bad input raises a clear error that names the problem: TypeError for a wrong dtype, ValueError
+for a wrong shape or value (CONVENTIONS.md, "Validation"). Every case runs on every backend."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from conftest import get_backend
+from gptlab import GPTConfig, gpt_forward, init_params
+from gptlab.layers.attention import attention_forward, multihead_forward
+from gptlab.layers.attention_single import attention_single_forward
+from gptlab.layers.block import block_forward
+from gptlab.layers.cross_entropy import cross_entropy_forward
+from gptlab.layers.dropout import dropout_forward
+from gptlab.layers.embedding import embedding_forward, embedding_onehot_forward
+from gptlab.layers.gelu import gelu_forward
+from gptlab.layers.layernorm import layernorm_forward
+from gptlab.layers.linear import linear_forward
+from gptlab.layers.mlp import mlp_forward
+from gptlab.layers.position_learned import position_learned_forward
+from gptlab.layers.position_sinusoidal import position_sinusoidal_forward
+from gptlab.layers.relu import relu_forward
+from gptlab.layers.softmax import softmax_forward
+
+B, T, C, NH, V = 2, 3, 4, 2, 5
+
+
+@pytest.fixture
+def F(backend):
+    """F(*shape): a float array on the backend; F.int(high, *shape): int64 token ids."""
+    rng = np.random.default_rng(0)
+
+    class Make:
+        def __call__(self, *shape):
+            return backend.randn(rng, *shape)
+
+        def int(self, high, *shape):
+            return backend.randint(rng, high, *shape)
+
+        def ints(self, values):
+            return backend.asarray(np.asarray(values, dtype=np.int64))
+
+    return Make()
+
+
+# --------------------------------------------------------------------------------------------
+# Mismatched shapes
+
+
+def test_linear_weight_rows_must_match_input_width(F):
+    with pytest.raises(ValueError, match=re.escape("w has shape (5, 3), expected (4, *)")):
+        linear_forward(F(B, T, C), F(5, 3), F(3))
+
+
+def test_linear_bias_must_match_output_width(F):
+    with pytest.raises(ValueError, match=re.escape("b has shape (4,), expected (3,)")):
+        linear_forward(F(B, T, C), F(C, 3), F(4))
+
+
+@pytest.mark.parametrize("which", ["w", "b"])
+def test_layernorm_gain_and_bias_must_match_width(F, which):
+    args = {"w": F(C), "b": F(C)}
+    args[which] = F(C + 1)
+    with pytest.raises(ValueError, match=re.escape(f"{which} has shape (5,), expected (4,)")):
+        layernorm_forward(F(B, T, C), args["w"], args["b"])
+
+
+def test_attention_weights_must_match_width(F):
+    with pytest.raises(ValueError, match=re.escape("w_attn has shape (4, 9), expected (4, 12)")):
+        attention_forward(F(B, T, C), F(C, 9), F(9), F(C, C), F(C), n_head=NH)
+    with pytest.raises(ValueError, match=re.escape("w_proj has shape (3, 4), expected (4, 4)")):
+        attention_forward(F(B, T, C), F(C, 3 * C), F(3 * C), F(3, C), F(C), n_head=NH)
+    with pytest.raises(ValueError, match=re.escape("b has shape (4,), expected (12,)")):
+        attention_forward(F(B, T, C), F(C, 3 * C), F(C), F(C, C), F(C), n_head=NH)
+
+
+def test_attention_input_must_be_three_dimensional(F):
+    with pytest.raises(ValueError, match=re.escape("x must have shape (B, T, C), got (3, 4)")):
+        attention_forward(F(T, C), F(C, 3 * C), F(3 * C), F(C, C), F(C), n_head=NH)
+
+
+def test_attention_width_must_split_into_heads(F):
+    with pytest.raises(ValueError, match=r"n_embd \(4\) must be divisible by n_head \(3\)"):
+        attention_forward(F(B, T, C), F(C, 3 * C), F(3 * C), F(C, C), F(C), n_head=3)
+    with pytest.raises(ValueError, match=r"qkv width 12 is not 3 \* n_head \* head_size"):
+        multihead_forward(F(B, T, 3 * C), n_head=3)
+
+
+def test_attention_single_weights_must_match(F):
+    with pytest.raises(ValueError, match=re.escape("A has shape (3, 5), expected (*, 4)")):
+        attention_single_forward(F(C, T), F(3, 5), F(3, C), F(3, C))
+    with pytest.raises(ValueError, match=re.escape("C has shape (2, 4), expected (3, 4)")):
+        attention_single_forward(F(C, T), F(3, C), F(3, C), F(2, C))
+    with pytest.raises(ValueError, match="X must have at least 2 dimensions"):
+        attention_single_forward(F(C), F(3, C), F(3, C), F(3, C))
+
+
+def test_mlp_weights_must_chain(F):
+    with pytest.raises(ValueError, match=re.escape("w has shape (8, 4), expected (16, *)")):
+        mlp_forward(F(B, T, C), F(C, 4 * C), F(4 * C), F(8, C), F(C))
+
+
+def test_position_learned_checks_width_and_length(F):
+    with pytest.raises(ValueError, match=re.escape("wpe must have shape (block_size, 4)")):
+        position_learned_forward(F(B, T, C), F(8, 3))
+    with pytest.raises(ValueError, match="sequence length 3 is longer than the 2 learned positions"):
+        position_learned_forward(F(B, T, C), F(2, C))
+
+
+def test_position_sinusoidal_needs_an_even_width(F):
+    with pytest.raises(ValueError, match="even width, got C=3"):
+        position_sinusoidal_forward(F(B, T, 3))
+
+
+def test_block_reports_missing_parameters(F):
+    with pytest.raises(ValueError, match=r"block parameters missing: \['ln_1.weight'"):
+        block_forward(F(B, T, C), {}, n_head=NH)
+
+
+def test_block_ln_order_is_checked(F):
+    p = {name: F(1) for name in ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+         "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight",
+         "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")}  # fmt: skip
+    with pytest.raises(ValueError, match="ln_order must be 'pre' or 'post', got 'middle'"):
+        block_forward(F(B, T, C), p, n_head=NH, ln_order="middle")
+
+
+# --------------------------------------------------------------------------------------------
+# Wrong dtypes
+
+
+@pytest.mark.parametrize(
+    "name, call",
+    [
+        ("x", lambda F, i: linear_forward(i, F(C, 3), F(3))),
+        ("w", lambda F, i: linear_forward(F(B, T, C), F.int(3, C, 3), F(3))),
+        ("x", lambda F, i: layernorm_forward(i, F(C), F(C))),
+        ("x", lambda F, i: relu_forward(i)),
+        ("x", lambda F, i: gelu_forward(i)),
+        ("x", lambda F, i: softmax_forward(i)),
+        ("x", lambda F, i: dropout_forward(i, p=0.1, seed=0)),
+        ("x", lambda F, i: attention_forward(i, F(C, 3 * C), F(3 * C), F(C, C), F(C), n_head=NH)),
+        ("qkv", lambda F, i: multihead_forward(F.int(3, B, T, 3 * C), n_head=NH)),
+        ("X", lambda F, i: attention_single_forward(F.int(3, C, T), F(3, C), F(3, C), F(3, C))),
+        ("logits", lambda F, i: cross_entropy_forward(F.int(3, B, T, V), F.int(V, B, T))),
+        ("wte", lambda F, i: embedding_forward(F.int(V, B, T), F.int(3, V, C))),
+        ("x", lambda F, i: position_sinusoidal_forward(i)),
+        ("x", lambda F, i: position_learned_forward(i, F(8, C))),
+    ],
+)
+def test_integer_arrays_where_floats_are_needed(F, name, call):
+    ints = F.int(3, B, T, C)
+    with pytest.raises(TypeError, match=rf"^{name} must be a floating-point array, got dtype .*int"):
+        call(F, ints)
+
+
+def test_non_arrays_are_rejected():
+    """A list is no array: array_namespace (the first line of every layer) says so."""
+    with pytest.raises(TypeError, match="list"):
+        relu_forward([1.0, -1.0])
+
+
+@pytest.mark.parametrize("forward", [embedding_forward, embedding_onehot_forward])
+def test_embedding_needs_integer_ids(F, forward):
+    with pytest.raises(TypeError, match="idx must be an integer array of token ids, got dtype .*float"):
+        forward(F(B, T), F(V, C))
+
+
+def test_cross_entropy_needs_integer_targets(F):
+    with pytest.raises(TypeError, match="targets must be an integer array of token ids"):
+        cross_entropy_forward(F(B, T, V), F(B, T))
+
+
+# --------------------------------------------------------------------------------------------
+# Ids outside the vocabulary
+
+
+@pytest.mark.parametrize("forward", [embedding_forward, embedding_onehot_forward])
+def test_embedding_rejects_negative_ids(F, forward):
+    with pytest.raises(ValueError, match=r"idx holds a negative token id \(-1\)"):
+        forward(F.ints([[0, -1, 2]]), F(V, C))
+
+
+@pytest.mark.parametrize("forward", [embedding_forward, embedding_onehot_forward])
+def test_embedding_rejects_ids_past_the_vocabulary(F, forward):
+    with pytest.raises(ValueError, match="idx holds token id 5, outside the vocabulary of size 5"):
+        forward(F.ints([[0, 5, 2]]), F(V, C))
+
+
+def test_cross_entropy_rejects_targets_outside_the_vocabulary(F):
+    with pytest.raises(ValueError, match="targets holds token id 7, outside the vocabulary of size 5"):
+        cross_entropy_forward(F(1, 3, V), F.ints([[0, 7, 1]]))
+    with pytest.raises(ValueError, match=r"targets holds a negative token id \(-2\)"):
+        cross_entropy_forward(F(1, 3, V), F.ints([[0, -2, 1]]))
+
+
+def test_cross_entropy_targets_shape_must_match_logits(F):
+    message = "targets has shape (2, 4) but logits has shape (2, 3, 5)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cross_entropy_forward(F(B, T, V), F.int(V, B, 4))
+    with pytest.raises(ValueError, match=re.escape("expected targets.shape == logits.shape[:-1]")):
+        cross_entropy_forward(F(B, T, V), F.int(V, B, T, 1))
+
+
+# --------------------------------------------------------------------------------------------
+# Hyperparameters and the model
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5])
+def test_dropout_probability_out_of_range(F, p):
+    with pytest.raises(ValueError, match=re.escape(f"dropout probability p must be in [0, 1), got {p!r}")):
+        dropout_forward(F(B, T, C), p=p, seed=0)
+
+
+@pytest.mark.parametrize("approximate", ["erf", "exact", "Tanh", None])
+def test_gelu_unknown_approximation(F, approximate):
+    message = f"approximate must be one of ('tanh', 'none'), got {approximate!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gelu_forward(F(B, T, C), approximate=approximate)
+
+
+def test_mlp_passes_the_gelu_check_on(F):
+    with pytest.raises(ValueError, match="approximate must be one of"):
+        mlp_forward(F(B, T, C), F(C, 4 * C), F(4 * C), F(4 * C, C), F(C), approximate="sigmoid")
+
+
+@pytest.mark.parametrize("n_embd, n_head", [(10, 3), (4, 3), (6, 4)])
+def test_config_width_must_split_into_heads(n_embd, n_head):
+    with pytest.raises(ValueError, match=rf"n_embd \({n_embd}\) must be divisible by n_head \({n_head}\)"):
+        GPTConfig(n_layer=1, n_head=n_head, n_embd=n_embd, vocab_size=V, block_size=8)
+
+
+@pytest.mark.parametrize("field, value", [("n_layer", 0), ("n_head", -1), ("vocab_size", 2.5),
+                                          ("block_size", True)])
+def test_config_sizes_must_be_positive_integers(field, value):
+    kwargs = dict(n_layer=1, n_head=1, n_embd=4, vocab_size=V, block_size=8)
+    kwargs[field] = value
+    with pytest.raises(ValueError, match=rf"GPTConfig.{field} must be a positive integer, got {value!r}"):
+        GPTConfig(**kwargs)
+
+
+@pytest.mark.parametrize("field, value", [("ln_order", "sandwich"), ("position", "rope"), ("gelu", "erf")])
+def test_config_choices_are_checked(field, value):
+    with pytest.raises(ValueError, match=rf"GPTConfig.{field} must be one of .*, got '{value}'"):
+        GPTConfig(n_layer=1, n_head=1, n_embd=4, vocab_size=V, block_size=8, **{field: value})
+
+
+@pytest.mark.parametrize("dropout", [-0.5, 1.0])
+def test_config_dropout_range(dropout):
+    with pytest.raises(ValueError, match=r"GPTConfig.dropout must be in \[0, 1\)"):
+        GPTConfig(n_layer=1, n_head=1, n_embd=4, vocab_size=V, block_size=8, dropout=dropout)
+
+
+CFG = GPTConfig(n_layer=1, n_head=NH, n_embd=C, vocab_size=V, block_size=4)
+
+
+@pytest.fixture
+def params(backend):
+    return init_params(CFG, seed=0, backend="numpy", dtype="float64") if backend.name == "numpy" \
+        else {k: backend.asarray(v) for k, v in init_params(CFG, dtype="float64").items()}
+
+
+def test_gpt_forward_rejects_a_sequence_longer_than_block_size(F, params):
+    with pytest.raises(ValueError, match=r"sequence length 5 is longer than the context \(block_size=4\)"):
+        gpt_forward(params, F.int(V, 1, 5), CFG)
+
+
+def test_gpt_forward_rejects_bad_ids_and_targets(F, params):
+    with pytest.raises(ValueError, match="idx holds token id 5, outside the vocabulary of size 5"):
+        gpt_forward(params, F.ints([[1, 5]]), CFG)
+    with pytest.raises(TypeError, match="idx must be an integer array of token ids"):
+        gpt_forward(params, F(1, 2), CFG)
+    with pytest.raises(ValueError, match=re.escape("idx must have shape (B, T), got (3,)")):
+        gpt_forward(params, F.int(V, 3), CFG)
+    with pytest.raises(ValueError, match=re.escape("targets has shape (1, 3), idx has (1, 2)")):
+        gpt_forward(params, F.int(V, 1, 2), CFG, targets=F.int(V, 1, 3))
+
+
+def test_gpt_forward_checks_parameters(F, params):
+    broken = dict(params)
+    del broken["ln_f.bias"]
+    with pytest.raises(ValueError, match=r"missing \['ln_f.bias'\]"):
+        gpt_forward(broken, F.int(V, 1, 2), CFG)
+    broken = dict(params, **{"h.0.ln_1.weight": F(C + 1)})
+    with pytest.raises(ValueError, match=re.escape("h.0.ln_1.weight has shape (5,), expected (4,)")):
+        gpt_forward(broken, F.int(V, 1, 2), CFG)
+
+
+def test_same_errors_on_float32(backend):
+    """The checks do not depend on the float dtype."""
+    b32 = get_backend(backend.name, "float32")
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match=re.escape("w has shape (5,), expected (4,)")):
+        layernorm_forward(b32.randn(rng, B, T, C), b32.randn(rng, 5), b32.randn(rng, C))

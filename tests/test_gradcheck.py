@@ -1,0 +1,342 @@
+"""The gradient checker: it accepts correct backward passes and rejects planted wrong ones."""
+
+import math
+import xml.etree.ElementTree as ET
+
+import matplotlib
+import numpy as np
+import pytest
+
+import gptlab.gradcheck as gradcheck
+from gptlab import GPTConfig, init_params
+from gptlab.backend import convert
+from gptlab.errata import draft_attention_single_backward, dropped_transpose_linear_backward
+from gptlab.gradcheck import check_layer, check_model
+from gptlab.layers.attention_single import (
+    attention_single_backward,
+    attention_single_backward_compact,
+    attention_single_forward,
+)
+from gptlab.layers.block import BLOCK_PARAM_NAMES, block_backward, block_forward
+from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from gptlab.layers.gelu import gelu_backward, gelu_forward
+from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
+from gptlab.layers.linear import linear_backward, linear_forward
+from gptlab.layers.softmax import softmax_backward
+from gptlab.model import gpt_backward, param_shapes
+
+BACKENDS = ("numpy", "torch")
+ORACLES = ("finite_differences", "autograd")
+TOL = 1e-7
+WRONG = 1e-2  # a wrong formula gives a relative error of order 1
+
+ATTENTION_SHAPES = [(2, 4, 3), (3, 4), (3, 4), (3, 4)]  # X (B, d, T), A, B, C (h, d)
+CASES = {
+    "linear": (linear_forward, linear_backward, [(2, 3, 4), (4, 5), (5,)], {}),
+    "layernorm": (layernorm_forward, layernorm_backward, [(2, 3, 5), (5,), (5,)], {}),
+    "attention_single": (attention_single_forward, attention_single_backward, ATTENTION_SHAPES, {}),
+    "attention_single_causal": (
+        attention_single_forward, attention_single_backward, ATTENTION_SHAPES, {"causal": True}
+    ),
+    "attention_single_compact": (
+        attention_single_forward, attention_single_backward_compact, ATTENTION_SHAPES,
+        {"causal": True},
+    ),
+}  # fmt: skip
+
+
+def randn(backend, *shape, seed=0):
+    return convert(np.random.default_rng(seed).standard_normal(shape), backend)
+
+
+def inputs(shapes, backend="numpy"):
+    return [randn(backend, *shape, seed=i) for i, shape in enumerate(shapes)]
+
+
+def rel(a, b):
+    return np.linalg.norm(a - b) / max(np.linalg.norm(a) + np.linalg.norm(b), 1e-300)
+
+
+# --- correct layers pass -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+def test_accepts_correct_layers(case, backend, oracle):
+    forward, backward, shapes, hyper = CASES[case]
+    result = check_layer(forward, backward, *inputs(shapes, backend), oracle=oracle, **hyper)
+    result.assert_ok()
+    assert result.worst < TOL
+    assert len(result.names) == len(shapes)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_autograd_agrees_with_finite_differences(case):
+    forward, backward, shapes, hyper = CASES[case]
+    args = inputs(shapes)
+    fd = check_layer(forward, backward, *args, oracle="finite_differences", **hyper)
+    ag = check_layer(forward, backward, *args, oracle="autograd", **hyper)
+    assert fd.names == ag.names
+    for a, b in zip(fd.entries, ag.entries):
+        assert rel(a.numeric, b.numeric) < TOL, a.name
+
+
+def test_names_come_from_the_forward_signature():
+    forward, backward, shapes, hyper = CASES["attention_single"]
+    assert check_layer(forward, backward, *inputs(shapes)).names == ["X", "A", "B", "C"]
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+def test_strict_backend_on_a_second_device(oracle):
+    xp = pytest.importorskip("array_api_strict")
+    device = xp.Device("device1")
+    x, w, b = (xp.asarray(a, device=device) for a in inputs([(2, 3, 4), (4, 5), (5,)]))
+    x = xp.astype(x, xp.float32)  # checked in float64 all the same
+    check_layer(linear_forward, linear_backward, x, w, b, oracle=oracle).assert_ok()
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+def test_integer_inputs_pass_through_and_scalar_outputs(oracle):
+    logits = randn("numpy", 2, 3, 7)
+    targets = np.random.default_rng(1).integers(0, 7, size=(2, 3))
+    result = check_layer(cross_entropy_forward, cross_entropy_backward, logits, targets,
+                         oracle=oracle)
+    assert result.names == ["logits"]
+    result.assert_ok()
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+def test_dict_inputs(oracle):
+    shapes = param_shapes(GPTConfig(n_layer=1, n_head=2, n_embd=4, vocab_size=5, block_size=3))
+    p = {name: randn("torch", *shapes[f"h.0.{name}"], seed=i)
+         for i, name in enumerate(BLOCK_PARAM_NAMES)}
+    x = randn("torch", 2, 3, 4)
+    result = check_layer(block_forward, block_backward, x, p, oracle=oracle, max_elements=4,
+                         n_head=2)
+    assert result.names == ["x"] + [f"p[{name}]" for name in BLOCK_PARAM_NAMES]
+    result.assert_ok()
+
+
+# --- planted wrong formulas fail -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_rejects_the_drafts_attention_backward(causal, oracle):
+    args = inputs(ATTENTION_SHAPES)
+    draft = check_layer(attention_single_forward, draft_attention_single_backward, *args,
+                        oracle=oracle, causal=causal)
+    assert draft.rel_error("A") > WRONG  # the missing transpose
+    assert draft.rel_error("X") > WRONG  # the merged terms
+    assert draft.rel_error("B") < TOL and draft.rel_error("C") < TOL  # right in the draft too
+    assert not draft.passed()
+    with pytest.raises(AssertionError, match=r"\['X', 'A'\]"):
+        draft.assert_ok()
+
+
+def test_rejects_a_dropped_transpose():
+    args = inputs([(2, 3, 4), (4, 4), (4,)])  # square w: the slip keeps every shape valid
+    result = check_layer(linear_forward, dropped_transpose_linear_backward, *args)
+    assert result.rel_error("x") > WRONG
+    assert result.rel_error("w") < TOL and result.rel_error("b") < TOL
+
+
+def attention_single_backward_without_scale(E, cache):
+    """Forgets the 1/sqrt(h) of scores = Q^T K / sqrt(h). X (d, T), no batch."""
+    X, A, B, C, Q, K, V, att, softmax_cache = cache
+    (dscores,) = softmax_backward(V.mT @ E, softmax_cache)  # (T, T)
+    dQ, dK, dV = K @ dscores.mT, Q @ dscores, E @ att.mT  # (h, T) each, WRONG dQ and dK
+    return A.mT @ dQ + B.mT @ dK + C.mT @ dV, dQ @ X.mT, dK @ X.mT, dV @ X.mT
+
+
+def test_rejects_a_forgotten_scale():
+    X, A, B, C = inputs([(4, 3), (4, 4), (4, 4), (4, 4)])  # h = 4: the grads come out 2x too big
+    result = check_layer(attention_single_forward, attention_single_backward_without_scale,
+                         X, A, B, C)
+    assert math.isclose(result.rel_error("A"), 1 / 3, rel_tol=1e-6)  # |2n - n| / |2n + n|
+    assert math.isclose(result.rel_error("B"), 1 / 3, rel_tol=1e-6)
+    assert result.rel_error("X") > WRONG
+    assert result.rel_error("C") < TOL
+
+
+def layernorm_backward_without_mean_term(dy, cache):
+    """Forgets that the mean depends on x: drops the - mean(dxhat) term."""
+    xhat, w, rstd = cache
+    dx, dw, db = layernorm_backward(dy, cache)
+    dxhat = dy * w  # (..., C)
+    dx = rstd * (dxhat - xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True))  # WRONG
+    return dx, dw, db
+
+
+def test_rejects_layernorm_without_the_mean_term():
+    result = check_layer(layernorm_forward, layernorm_backward_without_mean_term,
+                         *inputs([(2, 3, 5), (5,), (5,)]))
+    assert result.rel_error("x") > WRONG
+    assert result.rel_error("w") < TOL and result.rel_error("b") < TOL
+
+
+def test_error_map_locates_the_error():
+    def backward_one_wrong_element(dy, cache):
+        dx, dw, db = linear_backward(dy, cache)
+        dw = dw.copy()
+        dw[1, 2] += 1.0
+        return dx, dw, db
+
+    result = check_layer(linear_forward, backward_one_wrong_element,
+                         *inputs([(2, 3, 4), (4, 5), (5,)]))
+    err = result.error_map("w")
+    assert err.shape == (4, 5) and not np.isnan(err).any()
+    assert np.unravel_index(np.argmax(err), err.shape) == (1, 2)
+    assert err[1, 2] > WRONG
+    assert np.delete(err.ravel(), 1 * 5 + 2).max() < 1e-6
+    assert result.max_abs_error("w") == pytest.approx(1.0, rel=1e-6)
+    assert result.rel_error("x") < TOL
+
+
+def test_max_elements_checks_a_seeded_subset():
+    args = inputs([(2, 3, 4), (4, 4), (4,)])
+    result = check_layer(linear_forward, dropped_transpose_linear_backward, *args, max_elements=7,
+                         seed=3)
+    again = check_layer(linear_forward, dropped_transpose_linear_backward, *args, max_elements=7,
+                        seed=3)
+    err = result.error_map("x")
+    assert np.sum(~np.isnan(err)) == 7
+    assert np.array_equal(np.isnan(err), np.isnan(again.error_map("x")))
+    assert result.rel_error("x") > WRONG
+    assert [row["checked"] for row in result.as_rows()] == [7, 7, 4]
+
+
+# --- the whole model -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=6)
+    rng = np.random.default_rng(0)
+    idx, targets = rng.integers(0, 11, size=(2, 6)), rng.integers(0, 11, size=(2, 6))
+    return cfg, init_params(cfg, seed=0, dtype="float64"), idx, targets
+
+
+@pytest.mark.parametrize("backend, oracle", [("numpy", "finite_differences"),
+                                             ("numpy", "autograd"), ("torch", "autograd")])
+def test_check_model_passes(tiny, backend, oracle):
+    cfg, params, idx, targets = tiny
+    params = {name: convert(p, backend) for name, p in params.items()}
+    result = check_model(params, convert(idx, backend), convert(targets, backend), cfg,
+                         oracle=oracle, max_elements=10)
+    assert result.names == list(param_shapes(cfg))
+    result.assert_ok()
+
+
+def gpt_backward_without_head_share(cache):
+    """The tied-matrix bug: wte.weight gets only the embedding's share, not the output head's."""
+    grads = gpt_backward(cache)
+    (dlogits,) = cross_entropy_backward(1.0, cache["loss"])  # (B, T, V)
+    V, C = cache["wte.weight"].shape
+    head_share = dlogits.reshape(-1, V).T @ cache["xf"].reshape(-1, C)  # (V, C)
+    return {**grads, "wte.weight": grads["wte.weight"] - head_share}
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+def test_check_model_catches_a_missing_head_share(tiny, monkeypatch, oracle):
+    cfg, params, idx, targets = tiny
+    monkeypatch.setattr(gradcheck, "gpt_backward", gpt_backward_without_head_share)
+    result = check_model(params, idx, targets, cfg, oracle=oracle, max_elements=6)
+    assert [row["input"] for row in result.as_rows() if not row["passed"]] == ["wte.weight"]
+    assert result.rel_error("wte.weight") > WRONG
+
+
+# --- reports -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mixed_result():
+    """dx wrong, dw and db right."""
+    return check_layer(linear_forward, dropped_transpose_linear_backward,
+                       *inputs([(2, 3, 4), (4, 4), (4,)]))
+
+
+def test_text_report(mixed_result):
+    text = str(mixed_result)
+    lines = text.splitlines()
+    assert "finite differences" in lines[0]
+    for name, verdict in (("x", "FAIL"), ("w", "PASS"), ("b", "PASS")):
+        (row,) = [line for line in lines[2:] if line.split()[0] == name]
+        assert row.endswith(verdict)
+        assert f"{mixed_result.rel_error(name):.2e}" in row
+    assert repr(mixed_result) == text
+    assert "FAIL" in str(pytest.raises(AssertionError, mixed_result.assert_ok).value)
+
+
+def test_html_report(mixed_result):
+    page = mixed_result._repr_html_()
+    table = ET.fromstring(page)  # well-formed
+    assert table.tag == "table"
+    cells = [["".join(td.itertext()) for td in tr] for tr in table.iter("tr")][1:]
+    assert [row[0] for row in cells] == ["x", "w", "b"]
+    assert [row[-1] for row in cells] == ["FAIL", "PASS", "PASS"]
+    assert "#cf222e" in page and "#1a7f37" in page
+
+
+def test_rows(mixed_result):
+    rows = mixed_result.as_rows()
+    assert [(r["input"], r["shape"], r["passed"]) for r in rows] == [
+        ("x", (2, 3, 4), False), ("w", (4, 4), True), ("b", (4,), True)
+    ]
+    assert mixed_result.worst == max(r["rel_error"] for r in rows)
+
+
+def test_plot_error_map(mixed_result):
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ax = mixed_result.plot_error_map("x")
+    assert ax.images[0].get_array().shape == (6, 4)  # (2, 3) rows of 4
+    _, ax = plt.subplots()
+    assert mixed_result.plot_error_map("b", ax=ax) is ax
+    assert ax.images[0].get_array().shape == (1, 4)  # 1-D: one row
+    plt.close("all")
+
+
+# --- clear errors --------------------------------------------------------------------------------
+
+
+def test_wrong_number_of_grads():
+    with pytest.raises(ValueError, match=r"\(x, w, b\): 3 expected, got 2"):
+        check_layer(linear_forward, lambda dy, cache: linear_backward(dy, cache)[:2],
+                    *inputs([(2, 3, 4), (4, 5), (5,)]))
+
+
+def test_grad_not_in_a_tuple():
+    with pytest.raises(ValueError, match=r"\(x\): 1 expected, got a ndarray"):
+        check_layer(gelu_forward, lambda dy, cache: gelu_backward(dy, cache)[0], randn("numpy", 3))
+
+
+def test_grad_of_the_wrong_shape():
+    def backward_transposed_dw(dy, cache):
+        dx, dw, db = linear_backward(dy, cache)
+        return dx, dw.T, db
+
+    with pytest.raises(ValueError, match=r"gradient for w has shape \(5, 4\), expected \(4, 5\)"):
+        check_layer(linear_forward, backward_transposed_dw, *inputs([(2, 3, 4), (4, 5), (5,)]))
+
+
+def test_missing_dict_grad():
+    def forward(x, p):
+        return x * p["scale"] + p["shift"], (x, p)
+
+    def backward(dy, cache):
+        x, p = cache
+        return dy * p["scale"], {"scale": dy * x}
+
+    x, p = randn("numpy", 3), {"scale": randn("numpy", 3, seed=1), "shift": randn("numpy", 3)}
+    with pytest.raises(ValueError, match=r"no gradient array for p\[shift\]"):
+        check_layer(forward, backward, x, p)
+
+
+def test_not_callable():
+    with pytest.raises(ValueError, match="forward must be callable"):
+        check_layer(None, linear_backward, randn("numpy", 2))
+    with pytest.raises(ValueError, match="backward must be callable"):
+        check_layer(linear_forward, "linear_backward", randn("numpy", 2))

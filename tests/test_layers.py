@@ -1,0 +1,524 @@
+"""Every layer's hand-written backward, checked three ways (DESIGN.md section 4):
+
+1. against central finite differences in float64 on numpy, torch and array_api_strict (the
+   strict arrays live on a second fake device, so a creation call without ``device=`` fails);
+2. against torch autograd of the same forward (numpy and torch inputs);
+3. NumPy vs torch (and strict) parity of forward and backward, within 1e-12;
+
+plus a float32 torch sanity run per layer and the layer-specific facts (the softmax Jacobian,
+the dropout mask, the two attention backwards). Every layer is ONE row of ``CASES``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import AUTOGRAD_BACKENDS, BACKENDS, get_backend, requires_cuda, to_host
+from gptlab.backend import array_device
+from gptlab.gradcheck import GradcheckEntry, GradcheckResult, check_layer
+from gptlab.layers.attention import (
+    attention_backward,
+    attention_forward,
+    multihead_backward,
+    multihead_forward,
+)
+from gptlab.layers.attention_single import (
+    attention_single_backward,
+    attention_single_backward_compact,
+    attention_single_forward,
+)
+from gptlab.layers.block import BLOCK_PARAM_NAMES, block_backward, block_forward
+from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from gptlab.layers.dropout import dropout_backward, dropout_forward
+from gptlab.layers.embedding import (
+    embedding_backward,
+    embedding_forward,
+    embedding_onehot_backward,
+    embedding_onehot_forward,
+)
+from gptlab.layers.gelu import gelu_backward, gelu_forward
+from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
+from gptlab.layers.linear import linear_backward, linear_forward
+from gptlab.layers.mlp import mlp_backward, mlp_forward
+from gptlab.layers.position_learned import position_learned_backward, position_learned_forward
+from gptlab.layers.position_sinusoidal import (
+    position_sinusoidal_backward,
+    position_sinusoidal_forward,
+)
+from gptlab.layers.relu import relu_backward, relu_forward
+from gptlab.layers.softmax import softmax_backward, softmax_forward, softmax_jacobian
+
+B, T, C, NH, V, BLOCK_SIZE, HS = 2, 3, 4, 2, 5, 5, 3  # tiny shapes: batch, time, width, ...
+TOL_FLOAT64 = 1e-7
+TOL_FLOAT32 = 1e-4
+TOL_PARITY = 1e-12
+
+
+# --------------------------------------------------------------------------------------------
+# The table. ``make(rng)`` returns the forward's positional inputs as NumPy values (float64
+# arrays, int64 token ids, dicts of float64 arrays); the tests move them onto a backend.
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    forward: Callable
+    backward: Callable
+    make: Callable[[np.random.Generator], tuple]
+    hyperparams: dict = field(default_factory=dict)
+
+    @property
+    def bound_forward(self):
+        """The forward with its hyperparameters bound (``check_layer`` has its own ``eps`` and
+        ``seed`` keywords, which LayerNorm and dropout also use)."""
+        return functools.partial(self.forward, **self.hyperparams)
+
+    def inputs(self, backend, seed: int = 0):
+        return tuple(backend.convert(a) for a in self.make(np.random.default_rng(seed)))
+
+
+def _normal(rng, *shape):
+    return rng.standard_normal(shape)
+
+
+def _away_from_zero(rng, *shape):
+    """Normal values with |x| >= 0.1: finite differences never straddle ReLU's kink."""
+    x = rng.standard_normal(shape)
+    return np.sign(x) * (0.1 + np.abs(x))
+
+
+def _ids(rng, high, *shape):
+    return rng.integers(0, high, size=shape, dtype=np.int64)
+
+
+def _block_params(rng):
+    shapes = {
+        "ln_1.weight": (C,), "ln_1.bias": (C,),
+        "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,),
+        "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,),
+        "ln_2.weight": (C,), "ln_2.bias": (C,),
+        "mlp.c_fc.weight": (C, 4 * C), "mlp.c_fc.bias": (4 * C,),
+        "mlp.c_proj.weight": (4 * C, C), "mlp.c_proj.bias": (C,),
+    }  # fmt: skip
+    assert tuple(shapes) == BLOCK_PARAM_NAMES
+    p = {name: 0.5 * rng.standard_normal(shape) for name, shape in shapes.items()}
+    p["ln_1.weight"] += 1.0
+    p["ln_2.weight"] += 1.0
+    return p
+
+
+def _attention_args(rng):
+    return (_normal(rng, B, T, C), 0.5 * _normal(rng, C, 3 * C), _normal(rng, 3 * C),
+            _normal(rng, C, C), _normal(rng, C))  # fmt: skip
+
+
+def _attention_single_args(*batch):
+    def make(rng):
+        return (_normal(rng, *batch, C, T), _normal(rng, HS, C), _normal(rng, HS, C),
+                _normal(rng, HS, C))  # fmt: skip
+
+    return make
+
+
+def _mlp_args(rng):
+    return (_normal(rng, B, T, C), _normal(rng, C, 4 * C), _normal(rng, 4 * C),
+            _normal(rng, 4 * C, C), _normal(rng, C))  # fmt: skip
+
+
+CASES = [
+    Case("embedding", embedding_forward, embedding_backward,
+         lambda rng: (_ids(rng, V, B, T), _normal(rng, V, C))),
+    Case("embedding_onehot", embedding_onehot_forward, embedding_onehot_backward,
+         lambda rng: (_ids(rng, V, B, T), _normal(rng, V, C))),
+    Case("position_learned", position_learned_forward, position_learned_backward,
+         lambda rng: (_normal(rng, B, T, C), _normal(rng, BLOCK_SIZE, C))),
+    Case("position_sinusoidal", position_sinusoidal_forward, position_sinusoidal_backward,
+         lambda rng: (_normal(rng, B, T, C),)),
+    Case("linear", linear_forward, linear_backward,
+         lambda rng: (_normal(rng, B, T, C), _normal(rng, C, 3), _normal(rng, 3))),
+    Case("relu", relu_forward, relu_backward, lambda rng: (_away_from_zero(rng, B, T, C),)),
+    Case("gelu_tanh", gelu_forward, gelu_backward, lambda rng: (2 * _normal(rng, B, T, C),),
+         {"approximate": "tanh"}),
+    Case("gelu_none", gelu_forward, gelu_backward, lambda rng: (2 * _normal(rng, B, T, C),),
+         {"approximate": "none"}),
+    Case("softmax_last", softmax_forward, softmax_backward, lambda rng: (_normal(rng, B, T, C),),
+         {"axis": -1}),
+    Case("softmax_axis0", softmax_forward, softmax_backward, lambda rng: (_normal(rng, B, T, C),),
+         {"axis": 0}),
+    Case("dropout_p0", dropout_forward, dropout_backward, lambda rng: (_normal(rng, B, T, C),),
+         {"p": 0.0, "seed": 7}),
+    Case("dropout_p0.5", dropout_forward, dropout_backward, lambda rng: (_normal(rng, B, T, C),),
+         {"p": 0.5, "seed": 7}),
+    Case("layernorm", layernorm_forward, layernorm_backward,
+         lambda rng: (_normal(rng, B, T, C), 1 + _normal(rng, C), _normal(rng, C))),
+    Case("attention_single", attention_single_forward, attention_single_backward,
+         _attention_single_args(), {"causal": False}),
+    Case("attention_single_causal", attention_single_forward, attention_single_backward,
+         _attention_single_args(B), {"causal": True}),
+    Case("attention_single_compact", attention_single_forward, attention_single_backward_compact,
+         _attention_single_args(), {"causal": False}),
+    Case("attention_single_compact_causal", attention_single_forward,
+         attention_single_backward_compact, _attention_single_args(B), {"causal": True}),
+    Case("multihead", multihead_forward, multihead_backward,
+         lambda rng: (_normal(rng, B, T, 3 * C),), {"n_head": NH, "causal": False}),
+    Case("multihead_causal", multihead_forward, multihead_backward,
+         lambda rng: (_normal(rng, B, T, 3 * C),), {"n_head": NH, "causal": True}),
+    Case("attention", attention_forward, attention_backward, _attention_args,
+         {"n_head": NH, "causal": False}),
+    Case("attention_causal", attention_forward, attention_backward, _attention_args,
+         {"n_head": NH, "causal": True}),
+    Case("mlp", mlp_forward, mlp_backward, _mlp_args, {"approximate": "tanh"}),
+    Case("block_pre", block_forward, block_backward,
+         lambda rng: (_normal(rng, B, T, C), _block_params(rng)), {"n_head": NH, "ln_order": "pre"}),
+    Case("block_post", block_forward, block_backward,
+         lambda rng: (_normal(rng, B, T, C), _block_params(rng)), {"n_head": NH, "ln_order": "post"}),
+    Case("block_pre_dropout", block_forward, block_backward,
+         lambda rng: (_normal(rng, B, T, C), _block_params(rng)),
+         {"n_head": NH, "ln_order": "pre", "dropout": 0.25, "seed": 3}),
+    Case("block_post_dropout", block_forward, block_backward,
+         lambda rng: (_normal(rng, B, T, C), _block_params(rng)),
+         {"n_head": NH, "ln_order": "post", "dropout": 0.25, "seed": 3}),
+    Case("cross_entropy", cross_entropy_forward, cross_entropy_backward,
+         lambda rng: (2 * _normal(rng, B, T, V), _ids(rng, V, B, T))),
+]  # fmt: skip
+CASE_IDS = [case.id for case in CASES]
+
+
+STRICT_MAX_ELEMENTS = 16  # strict arrays are slow; their run is about portability, not numerics
+
+
+def gradcheck(case: Case, backend, oracle: str, **kwargs) -> GradcheckResult:
+    """``check_layer`` on one table row, on one backend. On the strict backend finite
+    differences check a seeded subset of at most 16 entries per input: every forward and backward
+    line still runs there (that is what the strict run is for), while numpy and torch check every
+    entry."""
+    if backend.name == "strict" and oracle == "finite_differences":
+        kwargs.setdefault("max_elements", STRICT_MAX_ELEMENTS)
+    return check_layer(case.bound_forward, case.backward, *case.inputs(backend), oracle=oracle,
+                       **kwargs)  # fmt: skip
+
+
+def run_layer(case: Case, backend, dout_seed: int = 1):
+    """Forward, then backward with a seeded random dout: (out, grads), both on the backend."""
+    args = case.inputs(backend)
+    out, cache = case.bound_forward(*args)
+    dout_host = np.random.default_rng(dout_seed).standard_normal(tuple(out.shape))
+    dout = float(dout_host) if len(out.shape) == 0 else backend.asarray(dout_host)
+    return out, case.backward(dout, cache), dout_host
+
+
+# --------------------------------------------------------------------------------------------
+# 1-2. Gradient checks
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_backward_matches_finite_differences(case, backend_name):
+    result = gradcheck(case, get_backend(backend_name), "finite_differences")
+    assert result.entries, "no float input was checked"
+    result.assert_ok(TOL_FLOAT64)
+
+
+@pytest.mark.parametrize("backend_name", AUTOGRAD_BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_backward_matches_autograd(case, backend_name):
+    result = gradcheck(case, get_backend(backend_name), "autograd")
+    assert result.entries, "no float input was checked"
+    result.assert_ok(TOL_FLOAT64)
+
+
+def _flat_grads(args, grads):
+    """The backward's grads, flattened in ``check_layer``'s order (dicts by key)."""
+    float_positions = [i for i, a in enumerate(args) if isinstance(a, dict) or
+                       (hasattr(a, "dtype") and np.issubdtype(to_host(a).dtype, np.floating))]  # fmt: skip
+    assert len(grads) == len(float_positions), "one grad per float input"
+    flat = []
+    for pos, grad in zip(float_positions, grads):
+        if isinstance(args[pos], dict):
+            flat.extend(grad[key] for key in args[pos])
+        else:
+            flat.append(grad)
+    return flat
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_float32_torch_matches_autograd(case):
+    """The same layer run in float32 (forward and hand-written backward stay float32), against
+    torch autograd in float64 of the same inputs: agreement to float32 accuracy."""
+    backend = get_backend("torch", "float32")
+    args = case.inputs(backend)
+    out, cache = case.bound_forward(*args)
+    assert out.dtype == torch.float32, f"forward output is {out.dtype}"
+    dout_host = np.random.default_rng(1).standard_normal(tuple(out.shape))
+    dout = float(dout_host) if len(out.shape) == 0 else backend.asarray(dout_host)
+    grads = _flat_grads(args, case.backward(dout, cache))
+    oracle = check_layer(case.bound_forward, case.backward, *args, oracle="autograd", dout=dout_host)
+    entries = []
+    for grad, entry in zip(grads, oracle.entries, strict=True):
+        assert grad.dtype == torch.float32, f"the gradient for {entry.name} is {grad.dtype}"
+        entries.append(GradcheckEntry(entry.name, to_host(grad).astype(np.float64), entry.numeric,
+                                      entry.mask))  # fmt: skip
+    GradcheckResult(entries, "autograd").assert_ok(TOL_FLOAT32)
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_backward_on_cuda_matches_autograd(case, cuda_backend):
+    result = gradcheck(case, cuda_backend, "autograd")
+    result.assert_ok(TOL_FLOAT64)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Parity between backends
+
+
+def _assert_close_tree(actual, expected, what):
+    if isinstance(expected, dict):
+        assert set(actual) == set(expected), f"{what}: keys differ"
+        for key in expected:
+            _assert_close_tree(actual[key], expected[key], f"{what}[{key}]")
+        return
+    np.testing.assert_allclose(actual, expected, rtol=TOL_PARITY, atol=TOL_PARITY, err_msg=what)
+
+
+@pytest.mark.parametrize("other", ["torch", "strict"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_backends_agree(case, other):
+    """Forward outputs and backward grads on ``other`` equal NumPy's within 1e-12."""
+    out_np, grads_np, _ = run_layer(case, get_backend("numpy"))
+    out, grads, _ = run_layer(case, get_backend(other))
+    assert tuple(out.shape) == tuple(out_np.shape)
+    _assert_close_tree(to_host(out), to_host(out_np), "forward output")
+    assert isinstance(grads, tuple) and len(grads) == len(grads_np)
+    for i, (g, g_np) in enumerate(zip(grads, grads_np)):
+        _assert_close_tree(to_host(g), to_host(g_np), f"grad {i}")
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_layer_keeps_inputs_dtype_and_device(case, backend_name):
+    """Forward and backward never mutate their inputs or dout; backward returns a tuple; every
+    output and grad keeps the inputs' float dtype and device."""
+    backend = get_backend(backend_name)
+    args = case.inputs(backend)
+    before = to_host(args)
+    out, cache = case.bound_forward(*args)
+    assert array_device(out) == backend.device and out.dtype == backend.dtype
+    dout_host = np.random.default_rng(1).standard_normal(tuple(out.shape))
+    dout = float(dout_host) if len(out.shape) == 0 else backend.asarray(dout_host)
+    grads = case.backward(dout, cache)
+    assert isinstance(grads, tuple)
+    for grad in _flat_grads(args, grads):
+        assert array_device(grad) == backend.device and grad.dtype == backend.dtype
+    np.testing.assert_array_equal(to_host(dout), dout_host)
+    for a, b in zip(to_host(args), before):
+        for key in a if isinstance(a, dict) else [None]:
+            np.testing.assert_array_equal(a if key is None else a[key], b if key is None else b[key])
+
+
+# --------------------------------------------------------------------------------------------
+# Layer-specific facts
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_softmax_jacobian_is_the_explicit_jacobian(backend, n):
+    rng = np.random.default_rng(n)
+    x_host = rng.standard_normal((3, n))
+    p, _ = softmax_forward(backend.asarray(x_host), axis=-1)
+    J = softmax_jacobian(p)  # (3, n, n)
+    assert tuple(J.shape) == (3, n, n) and array_device(J) == backend.device
+    # explicit: J[i, j] = dp_i / dx_j, by torch autograd of torch's own softmax
+    explicit = np.stack([
+        torch.autograd.functional.jacobian(lambda r: torch.softmax(r, dim=-1), torch.tensor(row)).numpy()
+        for row in x_host
+    ])  # fmt: skip
+    np.testing.assert_allclose(to_host(J), explicit, rtol=1e-13, atol=1e-15)
+    # and entry by entry: p_i (delta_ij - p_j)
+    p_host = to_host(p)
+    by_formula = np.einsum("ki,ij->kij", p_host, np.eye(n)) - np.einsum("ki,kj->kij", p_host, p_host)
+    np.testing.assert_allclose(to_host(J), by_formula, rtol=1e-15, atol=1e-16)
+
+
+def test_softmax_jacobian_transpose_times_v_is_softmax_backward(backend, rng):
+    x = backend.randn(rng, 4, 6)
+    v = backend.randn(rng, 4, 6)
+    p, cache = softmax_forward(x, axis=-1)
+    (dx,) = softmax_backward(v, cache)
+    J = softmax_jacobian(p)  # (4, 6, 6)
+    jtv = (J.mT @ v[..., None])[..., 0]  # (4, 6)
+    np.testing.assert_allclose(to_host(jtv), to_host(dx), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(to_host(J), np.swapaxes(to_host(J), -1, -2), atol=0)  # symmetric
+
+
+def test_attention_single_compact_equals_stepwise(backend, rng):
+    for causal, batch in ((False, ()), (True, ()), (False, (B,)), (True, (B, 2))):
+        args = [backend.asarray(a) for a in _attention_single_args(*batch)(rng)]
+        Z, cache = attention_single_forward(*args, causal=causal)
+        E = backend.randn(rng, *Z.shape)
+        stepwise = attention_single_backward(E, cache)
+        compact = attention_single_backward_compact(E, cache)
+        for name, a, b in zip(("dX", "dA", "dB", "dC"), stepwise, compact):
+            assert tuple(a.shape) == tuple(b.shape)
+            np.testing.assert_allclose(to_host(b), to_host(a), rtol=1e-12, atol=1e-13,
+                                       err_msg=f"{name}, causal={causal}, batch={batch}")
+
+
+def test_attention_single_is_multihead_transposed(rng):
+    """The column convention of the post (X is d x T) and the row convention of GPT-2 (x is
+    T x C) give the same attention, one head, no biases, once the roles are matched: the post
+    scores c_it = q_i . k_t and normalizes over i, so position t probes with its KEY k_t = B x_t
+    and the positions i answer with their QUERIES q_i = A x_i. GPT-2's query weight is B^T and
+    its key weight A^T."""
+    X, A, Bm, Cm = _attention_single_args()(rng)  # (C, T), (HS, C) x 3
+    for causal in (False, True):
+        Z, _ = attention_single_forward(X, A, Bm, Cm, causal=causal)  # (HS, T)
+        qkv = (X.T @ np.concatenate([Bm.T, A.T, Cm.T], axis=1))[None]  # (1, T, 3 HS)
+        y, _ = multihead_forward(qkv, n_head=1, causal=causal)  # (1, T, HS)
+        np.testing.assert_allclose(y[0], Z.T, rtol=1e-13, atol=1e-14)
+        # with A and B the other way round it is a different function
+        qkv_swapped = (X.T @ np.concatenate([A.T, Bm.T, Cm.T], axis=1))[None]  # (1, T, 3 HS)
+        if T > 1:
+            y_swapped, _ = multihead_forward(qkv_swapped, n_head=1, causal=causal)  # (1, T, HS)
+            assert not np.allclose(y_swapped[0], Z.T)
+
+
+def _keep_mask(backend, shape, p, seed):
+    x = backend.asarray(np.ones(shape))
+    y, _ = dropout_forward(x, p=p, seed=seed)
+    return to_host(y) != 0.0, to_host(y)
+
+
+def test_dropout_p0_is_the_identity(backend, rng):
+    x = backend.randn(rng, B, T, C)
+    y, cache = dropout_forward(x, p=0.0, seed=5)
+    np.testing.assert_array_equal(to_host(y), to_host(x))
+    (dx,) = dropout_backward(x, cache)
+    np.testing.assert_array_equal(to_host(dx), to_host(x))
+
+
+def test_dropout_mask_is_fixed_by_the_seed(backend):
+    shape, p = (20, 30), 0.3
+    mask, y = _keep_mask(backend, shape, p, seed=11)
+    again, _ = _keep_mask(backend, shape, p, seed=11)
+    other, _ = _keep_mask(backend, shape, p, seed=12)
+    np.testing.assert_array_equal(mask, again)
+    assert not np.array_equal(mask, other)
+    np.testing.assert_allclose(y[mask], 1.0 / (1.0 - p), rtol=1e-15)  # inverted dropout
+    # the backward scales dy by the very same mask
+    x = backend.asarray(np.ones(shape))
+    _, cache = dropout_forward(x, p=p, seed=11)
+    (dx,) = dropout_backward(backend.asarray(np.full(shape, 2.0)), cache)
+    np.testing.assert_array_equal(to_host(dx) != 0.0, mask)
+
+
+def test_dropout_mask_is_the_same_on_every_cpu_backend_and_dtype():
+    masks = [_keep_mask(get_backend(name, dtype), (7, 9), 0.4, seed=2)[0]
+             for name in BACKENDS for dtype in ("float64", "float32")]  # fmt: skip
+    for mask in masks[1:]:
+        np.testing.assert_array_equal(mask, masks[0])
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_keeps_the_expected_fraction(backend, p):
+    n = 40_000
+    mask, y = _keep_mask(backend, (200, 200), p, seed=int(100 * p))
+    kept = mask.mean()
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(kept - (1 - p)) < 5 * sigma, f"kept {kept:.4f}, expected {1 - p} +- {sigma:.4f}"
+    assert abs(y.mean() - 1.0) < 5 * sigma / (1 - p)  # inverted dropout keeps the mean
+
+
+def test_embedding_lookup_equals_onehot_view(backend, rng):
+    idx, wte = backend.randint(rng, V, B, T), backend.randn(rng, V, C)
+    x, cache = embedding_forward(idx, wte)
+    x1, cache1 = embedding_onehot_forward(idx, wte)
+    np.testing.assert_allclose(to_host(x), to_host(x1), rtol=1e-15, atol=0)
+    dx = backend.randn(rng, B, T, C)
+    (dwte,), (dwte_onehot,) = embedding_backward(dx, cache), embedding_onehot_backward(dx, cache1)
+    np.testing.assert_allclose(to_host(dwte), to_host(dwte_onehot), rtol=1e-14, atol=1e-15)
+
+
+def test_embedding_backward_accumulates_repeated_ids(backend):
+    idx = backend.asarray(np.array([[3, 3, 3]]))
+    wte = backend.asarray(np.zeros((V, 2)))
+    _, cache = embedding_forward(idx, wte)
+    (dwte,) = embedding_backward(backend.asarray(np.ones((1, 3, 2))), cache)
+    expected = np.zeros((V, 2))
+    expected[3] = 3.0
+    np.testing.assert_array_equal(to_host(dwte), expected)
+
+
+def test_position_learned_unused_rows_get_zero_gradient(backend, rng):
+    x, wpe = backend.randn(rng, B, T, C), backend.randn(rng, BLOCK_SIZE, C)
+    _, cache = position_learned_forward(x, wpe)
+    _, dwpe = position_learned_backward(backend.randn(rng, B, T, C), cache)
+    assert tuple(dwpe.shape) == (BLOCK_SIZE, C)
+    assert np.all(to_host(dwpe)[T:] == 0.0) and np.all(to_host(dwpe)[:T] != 0.0)
+
+
+def test_gelu_none_is_exact_and_tanh_is_close(backend):
+    x_host = np.linspace(-5, 5, 41)
+    exact = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x_host])
+    y_none, _ = gelu_forward(backend.asarray(x_host), approximate="none")
+    y_tanh, _ = gelu_forward(backend.asarray(x_host), approximate="tanh")
+    np.testing.assert_allclose(to_host(y_none), exact, rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(to_host(y_tanh), exact, atol=1e-3)  # the approximation's error
+    assert np.max(np.abs(to_host(y_tanh) - exact)) > 1e-5  # ... which is not zero
+
+
+def test_relu_subgradient_at_zero_is_zero(backend):
+    x = backend.asarray(np.array([-1.0, 0.0, 2.0]))
+    y, cache = relu_forward(x)
+    (dx,) = relu_backward(backend.asarray(np.ones(3)), cache)
+    np.testing.assert_array_equal(to_host(y), [0.0, 0.0, 2.0])
+    np.testing.assert_array_equal(to_host(dx), [0.0, 0.0, 1.0])
+
+
+def test_cross_entropy_of_uniform_logits_is_log_v(backend):
+    logits = backend.asarray(np.zeros((B, T, V)))
+    loss, _ = cross_entropy_forward(logits, backend.randint(np.random.default_rng(0), V, B, T))
+    assert float(to_host(loss)) == pytest.approx(math.log(V), rel=1e-15)
+
+
+def test_cross_entropy_matches_torch(backend, rng):
+    logits_host, targets_host = 3 * rng.standard_normal((B, T, V)), _ids(rng, V, B, T)
+    loss, _ = cross_entropy_forward(backend.asarray(logits_host), backend.asarray(targets_host))
+    expected = torch.nn.functional.cross_entropy(torch.tensor(logits_host).reshape(-1, V),
+                                                 torch.tensor(targets_host).reshape(-1))  # fmt: skip
+    assert float(to_host(loss)) == pytest.approx(float(expected), rel=1e-14)
+
+
+def test_layernorm_matches_torch(backend, rng):
+    x, w, b = rng.standard_normal((B, T, C)), rng.standard_normal(C), rng.standard_normal(C)
+    y, _ = layernorm_forward(backend.asarray(x), backend.asarray(w), backend.asarray(b))
+    expected = torch.nn.functional.layer_norm(torch.tensor(x), (C,), torch.tensor(w), torch.tensor(b))
+    np.testing.assert_allclose(to_host(y), expected.numpy(), rtol=1e-13, atol=1e-14)
+
+
+def test_attention_matches_torch_sdpa(backend, rng):
+    qkv_host = rng.standard_normal((B, T, 3 * C))
+    for causal in (False, True):
+        y, _ = multihead_forward(backend.asarray(qkv_host), n_head=NH, causal=causal)
+        q, k, v = (torch.tensor(t).reshape(B, T, NH, C // NH).transpose(1, 2)
+                   for t in np.split(qkv_host, 3, axis=-1))  # fmt: skip
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        np.testing.assert_allclose(to_host(y), ref.transpose(1, 2).reshape(B, T, C).numpy(),
+                                   rtol=1e-12, atol=1e-13)  # fmt: skip
+
+
+def test_every_layer_module_is_in_the_table():
+    """A new file in gptlab/layers must get a row in CASES."""
+    from pathlib import Path
+
+    import gptlab.layers
+
+    modules = {p.stem for p in Path(gptlab.layers.__file__).parent.glob("*.py")} - {"__init__"}
+    covered = {case.forward.__module__.rsplit(".", 1)[-1] for case in CASES}
+    assert modules <= covered, f"layers without a gradient check: {sorted(modules - covered)}"

@@ -1,0 +1,225 @@
+"""The whole model (gpt_forward / gpt_backward) against the independent torch-autograd reference."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gptlab import GPTConfig, gpt_backward, gpt_forward, init_params, param_shapes
+from gptlab.backend import convert, to_numpy
+from gptlab.reference.torch_gpt import reference_forward, relative_error
+
+TINY = dict(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=8)
+CONFIGS = [
+    GPTConfig(**TINY, ln_order=ln, position=pos, gelu=gelu)
+    for ln, pos, gelu in itertools.product(("pre", "post"), ("learned", "sinusoidal"), ("tanh", "none"))
+]
+CONFIG_IDS = [f"{c.ln_order}-{c.position}-{c.gelu}" for c in CONFIGS]
+BACKENDS = ("numpy", "torch")
+
+
+def random_params(cfg, seed=0):
+    """GPT-2's init plus N(0, 0.2) noise everywhere, so biases and gains are exercised: float64."""
+    rng = np.random.default_rng(seed + 1)
+    return {name: value + rng.normal(0.0, 0.2, value.shape)
+            for name, value in init_params(cfg, seed, dtype="float64").items()}  # fmt: skip
+
+
+def random_tokens(cfg, B, T, seed=0):
+    """(idx, targets), both (B, T) int64."""
+    rng = np.random.default_rng(seed)
+    return tuple(rng.integers(0, cfg.vocab_size, size=(B, T)) for _ in range(2))
+
+
+def reference(params, idx, cfg, targets=None, dlogits=None):
+    """The oracle in float64: (logits, loss, grads by name) of loss, or of sum(logits * dlogits)."""
+    leaves = {name: torch.tensor(value, dtype=torch.float64, requires_grad=True)
+              for name, value in params.items()}  # fmt: skip
+    tg = None if targets is None else torch.as_tensor(targets)
+    logits, loss = reference_forward(leaves, torch.as_tensor(idx), cfg, tg)
+    objective = loss if dlogits is None else (logits * torch.as_tensor(dlogits)).sum()
+    objective.backward()
+    return logits, loss, {name: leaf.grad for name, leaf in leaves.items()}
+
+
+def ours(params, idx, cfg, targets=None, dlogits=None, backend="numpy", dtype="float64"):
+    """gptlab on ``backend``: (logits, loss, grads by name)."""
+    p = {name: convert(value, backend, dtype=dtype) for name, value in params.items()}
+    tg = None if targets is None else convert(targets, backend)
+    logits, loss, cache = gpt_forward(p, convert(idx, backend), cfg, tg)
+    dl = None if dlogits is None else convert(dlogits, backend, dtype=dtype)
+    return logits, loss, gpt_backward(cache, dl)
+
+
+def assert_close(got, want, tol, what):
+    err = relative_error(got, want)
+    assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}"
+
+
+def assert_all_close(got, want, cfg, tol):
+    logits, loss, grads = got
+    ref_logits, ref_loss, ref_grads = want
+    assert_close(logits, ref_logits, tol, "logits")
+    if ref_loss is not None:
+        assert_close(loss, ref_loss, tol, "loss")
+    assert list(grads) == list(param_shapes(cfg))
+    for name in grads:
+        assert tuple(grads[name].shape) == tuple(ref_grads[name].shape), name
+        assert_close(grads[name], ref_grads[name], tol, f"d{name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+def test_matches_reference_float64(cfg, backend):
+    params = random_params(cfg)
+    idx, targets = random_tokens(cfg, B=3, T=cfg.block_size)
+    got = ours(params, idx, cfg, targets, backend=backend)
+    assert_all_close(got, reference(params, idx, cfg, targets), cfg, 1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cfg", CONFIGS[::3], ids=CONFIG_IDS[::3])
+def test_dlogits_path_matches_reference(cfg, backend):
+    """gpt_backward(cache, dlogits): the gradient of sum(logits * dlogits), without a loss."""
+    params = random_params(cfg)
+    idx, _ = random_tokens(cfg, B=2, T=5)
+    dlogits = np.random.default_rng(3).normal(size=(2, 5, cfg.vocab_size))
+    got = ours(params, idx, cfg, dlogits=dlogits, backend=backend)
+    assert got[1] is None
+    assert_all_close(got, reference(params, idx, cfg, dlogits=dlogits), cfg, 1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cfg", CONFIGS[::5], ids=CONFIG_IDS[::5])
+def test_float32_logits(cfg, backend):
+    params = random_params(cfg)
+    idx, targets = random_tokens(cfg, B=3, T=cfg.block_size)
+    logits, loss, grads = ours(params, idx, cfg, targets, backend=backend, dtype="float32")
+    ref_logits, ref_loss, ref_grads = reference(params, idx, cfg, targets)
+    assert str(logits.dtype).endswith("float32")
+    assert_close(logits, ref_logits, 1e-5, "float32 logits")
+    assert_close(loss, ref_loss, 1e-5, "float32 loss")
+    for name in grads:
+        assert_close(grads[name], ref_grads[name], 1e-4, f"float32 d{name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("B, T", [(1, 1), (2, 1), (1, 8), (4, 3)])
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[-1]], ids=[CONFIG_IDS[0], CONFIG_IDS[-1]])
+def test_batch_and_sequence_edges(cfg, B, T, backend):
+    params = random_params(cfg)
+    idx, targets = random_tokens(cfg, B, T)
+    got = ours(params, idx, cfg, targets, backend=backend)
+    assert tuple(got[0].shape) == (B, T, cfg.vocab_size)
+    assert_all_close(got, reference(params, idx, cfg, targets), cfg, 1e-10)
+
+
+@settings(max_examples=15, deadline=None)
+@given(B=st.integers(1, 3), T=st.integers(1, 8), seed=st.integers(0, 2**16),
+       cfg=st.sampled_from(CONFIGS))  # fmt: skip
+def test_property_any_shape(B, T, seed, cfg):
+    params = random_params(cfg, seed)
+    idx, targets = random_tokens(cfg, B, T, seed)
+    assert_all_close(ours(params, idx, cfg, targets), reference(params, idx, cfg, targets), cfg, 1e-10)
+
+
+def test_dropout_config_in_evaluation_matches_reference():
+    """cfg.dropout > 0 without a dropout_seed is evaluation: no dropout, as the reference."""
+    cfg = GPTConfig(**TINY, dropout=0.3)
+    params = random_params(cfg)
+    idx, targets = random_tokens(cfg, 2, 6)
+    assert_all_close(ours(params, idx, cfg, targets), reference(params, idx, cfg, targets), cfg, 1e-10)
+
+
+def test_reference_refuses_training_with_dropout():
+    cfg = GPTConfig(**TINY, dropout=0.1)
+    params = {name: torch.as_tensor(v) for name, v in random_params(cfg).items()}
+    idx = torch.zeros((1, 2), dtype=torch.int64)
+    with pytest.raises(ValueError, match="no dropout"):
+        reference_forward(params, idx, cfg, training=True)
+
+
+def test_reference_sinusoidal_table_is_independent_but_equal():
+    from gptlab.layers.position_sinusoidal import sinusoidal_encoding
+    from gptlab.reference.torch_gpt import sinusoidal_table
+
+    table = sinusoidal_table(7, 6, dtype=torch.float64)
+    assert table[3, 4].item() == pytest.approx(np.sin(3 / 10000 ** (4 / 6)), rel=1e-14)
+    assert table[5, 1].item() == pytest.approx(np.cos(5.0), rel=1e-14)
+    assert_close(sinusoidal_encoding(7, 6, like=np.zeros(1)), table, 1e-14, "sinusoidal table")
+
+
+# --- bad inputs: clear errors that name the problem -------------------------------------------
+
+
+@pytest.fixture(params=BACKENDS)
+def setup(request):
+    cfg = CONFIGS[0]
+    params = {name: convert(v, request.param) for name, v in random_params(cfg).items()}
+    idx, targets = (convert(a, request.param) for a in random_tokens(cfg, 2, 4))
+    return cfg, params, idx, targets, request.param
+
+
+def test_rejects_float_idx(setup):
+    cfg, params, idx, _, backend = setup
+    with pytest.raises(TypeError, match="idx must be an integer array"):
+        gpt_forward(params, convert(to_numpy(idx).astype(np.float64), backend), cfg)
+
+
+def test_rejects_ids_outside_the_vocabulary(setup):
+    cfg, params, idx, _, backend = setup
+    too_big = convert(np.full((2, 4), cfg.vocab_size), backend)
+    with pytest.raises(ValueError, match=f"idx holds token id {cfg.vocab_size}, outside the vocab"):
+        gpt_forward(params, too_big, cfg)
+    with pytest.raises(ValueError, match="negative token id"):
+        gpt_forward(params, convert(np.full((2, 4), -1), backend), cfg)
+
+
+def test_rejects_sequence_longer_than_block_size(setup):
+    cfg, params, _, _, backend = setup
+    idx = convert(np.zeros((1, cfg.block_size + 1), dtype=np.int64), backend)
+    with pytest.raises(ValueError, match=r"sequence length 9 is longer .*block_size=8"):
+        gpt_forward(params, idx, cfg)
+
+
+def test_rejects_idx_that_is_not_2d(setup):
+    cfg, params, idx, _, _ = setup
+    with pytest.raises(ValueError, match=r"idx must have shape \(B, T\)"):
+        gpt_forward(params, idx[0], cfg)
+
+
+def test_rejects_mismatched_targets(setup):
+    cfg, params, idx, targets, _ = setup
+    with pytest.raises(ValueError, match=r"targets has shape \(2, 3\), idx has \(2, 4\)"):
+        gpt_forward(params, idx, cfg, targets[:, :3])
+
+
+def test_rejects_missing_and_unexpected_params(setup):
+    cfg, params, idx, _, _ = setup
+    missing = {name: v for name, v in params.items() if name != "h.1.ln_2.bias"}
+    with pytest.raises(ValueError, match=r"missing \['h.1.ln_2.bias'\]"):
+        gpt_forward(missing, idx, cfg)
+    with pytest.raises(ValueError, match=r"unexpected \['h.2.ln_1.weight'\]"):
+        gpt_forward({**params, "h.2.ln_1.weight": params["ln_f.weight"]}, idx, cfg)
+
+
+def test_rejects_misshapen_params(setup):
+    cfg, params, idx, _, _ = setup
+    bad = {**params, "h.0.attn.c_attn.weight": params["h.0.attn.c_attn.weight"][:, :16]}
+    with pytest.raises(ValueError, match=r"h.0.attn.c_attn.weight has shape \(8, 16\), expected \(8, 24\)"):
+        gpt_forward(bad, idx, cfg)
+
+
+def test_gpt_backward_without_loss_or_dlogits(setup):
+    cfg, params, idx, _, _ = setup
+    _, _, cache = gpt_forward(params, idx, cfg)
+    with pytest.raises(ValueError, match="pass targets"):
+        gpt_backward(cache)
+
+
+def test_config_rejects_n_embd_not_divisible_by_n_head():
+    with pytest.raises(ValueError, match=r"n_embd \(10\) must be divisible by n_head \(3\)"):
+        GPTConfig(n_layer=1, n_head=3, n_embd=10, vocab_size=11, block_size=8)

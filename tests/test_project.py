@@ -1,0 +1,141 @@
+"""Checks of the project layout: pins, CI entry point, README, table of contents, notebooks."""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "book").rglob("*.ipynb"))
+NOTEBOOKS = [nb for nb in NOTEBOOKS if ".ipynb_checkpoints" not in nb.parts]
+
+
+def test_requirements_pin_torch():
+    lines = [line.strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
+    assert "torch==2.13.0" in lines
+
+
+def test_ci_runs_make_test():
+    script = (ROOT / ".ci" / "run").read_text()
+    commands = [line.strip() for line in script.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert "make test" in commands
+
+
+def test_readme_has_quick_start_commands():
+    readme = (ROOT / "README.md").read_text()
+    assert "## Quick start" in readme
+    assert "make book" in readme
+    assert "make test" in readme
+
+
+def _toc_entries(node):
+    """Yield every `root:` and `file:` value in a jb-book table of contents."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("root", "file"):
+                yield value
+            else:
+                yield from _toc_entries(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _toc_entries(item)
+
+
+def test_toc_lists_only_existing_files():
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    assert toc["format"] == "jb-book"
+    entries = list(_toc_entries(toc))
+    assert entries, "the table of contents lists no pages"
+    for entry in entries:
+        base = ROOT / entry
+        candidates = [base] if base.suffix in (".md", ".ipynb") else [base.with_suffix(".md"), base.with_suffix(".ipynb")]
+        assert any(path.is_file() for path in candidates), f"_toc.yml entry {entry!r} has no .md or .ipynb file"
+        assert base.resolve().is_relative_to(ROOT), f"_toc.yml entry {entry!r} points outside the repository"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[str(nb.relative_to(ROOT)) for nb in NOTEBOOKS])
+def test_notebook_code_cells_are_executed(path):
+    nb = nbformat.read(path, as_version=4)
+    unexecuted = [
+        i
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code" and cell.source.strip() and cell.execution_count is None
+    ]
+    assert not unexecuted, f"{path.name}: code cells {unexecuted} have no stored outputs (execution_count is None)"
+
+
+# --- The book's configuration -----------------------------------------------------------------
+
+def _config():
+    return yaml.safe_load((ROOT / "_config.yml").read_text())
+
+
+def _static_dirs():
+    return [ROOT / entry for entry in _config().get("sphinx", {}).get("config", {}).get("html_static_path", [])]
+
+
+def test_no_root_static_folder():
+    """jupyter-book injects every .js file of a root _static/ into every page: serve files from _vendor/."""
+    assert not (ROOT / "_static").exists(), "remove the root _static/ folder; put static files under _vendor/"
+    static = [path.resolve() for path in _static_dirs()]
+    assert (ROOT / "_static").resolve() not in static, "_config.yml lists _static in html_static_path"
+    for path in static:
+        assert path.is_dir(), f"html_static_path entry {path} is not a folder"
+        assert path.is_relative_to(ROOT)
+
+
+def test_offline_scripts_are_vendored():
+    """MathJax and the widget manager come from html_static_path, not from a CDN (see tools/vendor_js.sh)."""
+    from sphinx.util.matching import Matcher
+
+    cfg = _config()
+    sphinx_cfg = cfg["sphinx"]["config"]
+    # Sphinx filters static files with exclude_patterns as well, relative to each static folder.
+    excluded = Matcher([*cfg.get("exclude_patterns", []), "**/.*"])
+    scripts = [sphinx_cfg["mathjax_path"], *sphinx_cfg["nb_ipywidgets_js"]]
+    for script in scripts:
+        assert "://" not in script and not script.startswith("//"), f"{script} is not a local file"
+        found = [d / script for d in _static_dirs() if (d / script).is_file()]
+        assert found, f"{script} is in no html_static_path folder: run tools/vendor_js.sh"
+        assert not excluded(script), f"{script} matches exclude_patterns: Sphinx would not copy it"
+    fonts = [d / Path(sphinx_cfg["mathjax_path"]).parent / "output/chtml/fonts/woff-v2" for d in _static_dirs()]
+    assert any(list(f.glob("*.woff")) for f in fonts if f.is_dir()), "the MathJax fonts are not vendored"
+
+
+BIB_KEY = re.compile(r"^@(?!comment\b|string\b|preamble\b)\w+\s*\{\s*([^,\s]+)\s*,", re.MULTILINE | re.IGNORECASE)
+CITE_ROLE = re.compile(r"\{cite(?::\w+)?\}`([^`]*)`|:cite(?::\w+)?:`([^`]*)`")
+
+
+def _book_markdown():
+    """(where, text) for every Markdown page and notebook Markdown cell under book/."""
+    for path in sorted((ROOT / "book").rglob("*.md")):
+        yield str(path.relative_to(ROOT)), path.read_text(encoding="utf-8")
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type == "markdown":
+                yield f"{path.relative_to(ROOT)} cell {i}", cell.source
+
+
+def test_cited_keys_exist_in_references_bib():
+    keys = set(BIB_KEY.findall((ROOT / "references.bib").read_text(encoding="utf-8")))
+    assert keys, "references.bib has no entries"
+    missing = []
+    for where, text in _book_markdown():
+        for match in CITE_ROLE.finditer(text):
+            for key in (match.group(1) or match.group(2) or "").split(","):
+                if key.strip() and key.strip() not in keys:
+                    missing.append(f"{where}: {key.strip()}")
+    assert not missing, "cited keys missing from references.bib:\n" + "\n".join(missing)
+
+
+def test_toc_follows_the_chapter_plan():
+    """_toc.yml lists the chapters of docs/CHAPTERS.md, in order, then the references page."""
+    planned = re.findall(r"`(book/\d\d_\w+)\.ipynb`", (ROOT / "docs" / "CHAPTERS.md").read_text())
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    entries = [entry for entry in _toc_entries(toc) if entry != toc["root"]]
+    assert entries[:-1] == planned, "the chapters in _toc.yml differ from the table in docs/CHAPTERS.md"
+    assert entries[-1] == "book/references"
+    assert "```{bibliography}" in (ROOT / "book" / "references.md").read_text()

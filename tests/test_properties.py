@@ -1,0 +1,245 @@
+"""Property tests (hypothesis) over shapes, ones included: B in 1..3, T in 1..5, n_head in 1..3,
+head size in 1..3. Gradients of the bigger pieces (attention, block, the whole GPT) are checked
+against torch autograd, which is cheap, and the whole GPT also against finite differences on a
+seeded subset of every parameter; small layers against finite differences in full. Plus the
+invariants: softmax rows sum to 1, causal attention never looks ahead, LayerNorm output has mean
+0 and variance ~1 per row.
+
+Examples are few (``max_examples`` 10-15) and derandomized, so the run is short and the same
+every time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from conftest import get_backend, to_host
+from gptlab import GPTConfig, gpt_forward, init_params
+from gptlab.gradcheck import check_layer, check_model
+from gptlab.layers.attention import attention_forward, attention_backward
+from gptlab.layers.attention_single import attention_single_forward
+from gptlab.layers.block import BLOCK_PARAM_NAMES, block_backward, block_forward
+from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
+from gptlab.layers.softmax import softmax_forward
+
+TOL = 1e-7
+
+
+def fast(max_examples: int = 15):
+    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+
+
+sizes = st.fixed_dictionaries({
+    "B": st.integers(1, 3), "T": st.integers(1, 5), "n_head": st.integers(1, 3),
+    "hs": st.integers(1, 3), "seed": st.integers(0, 2**16),
+})  # fmt: skip
+backends = st.sampled_from(["numpy", "torch"])
+
+
+def _attention_inputs(rng, B, T, C):
+    return (rng.standard_normal((B, T, C)), 0.5 * rng.standard_normal((C, 3 * C)),
+            rng.standard_normal(3 * C), rng.standard_normal((C, C)), rng.standard_normal(C))  # fmt: skip
+
+
+def _block_params(rng, C):
+    shapes = [(C,), (C,), (C, 3 * C), (3 * C,), (C, C), (C,), (C,), (C,), (C, 4 * C), (4 * C,),
+              (4 * C, C), (C,)]  # fmt: skip
+    p = {name: 0.5 * rng.standard_normal(shape) for name, shape in zip(BLOCK_PARAM_NAMES, shapes)}
+    p["ln_1.weight"] += 1.0
+    p["ln_2.weight"] += 1.0
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# Gradients over shapes
+
+
+@fast()
+@given(s=sizes, causal=st.booleans(), backend_name=backends)
+def test_attention_backward_over_shapes(s, causal, backend_name):
+    backend, rng = get_backend(backend_name), np.random.default_rng(s["seed"])
+    C = s["n_head"] * s["hs"]
+    args = [backend.asarray(a) for a in _attention_inputs(rng, s["B"], s["T"], C)]
+    forward = functools.partial(attention_forward, n_head=s["n_head"], causal=causal)
+    check_layer(forward, attention_backward, *args, oracle="autograd").assert_ok(TOL)
+
+
+@fast()
+@given(s=sizes, ln_order=st.sampled_from(["pre", "post"]), gelu=st.sampled_from(["tanh", "none"]),
+       dropout=st.sampled_from([0.0, 0.3]))  # fmt: skip
+def test_block_backward_over_shapes(s, ln_order, gelu, dropout):
+    rng = np.random.default_rng(s["seed"])
+    C = s["n_head"] * s["hs"]
+    x, p = rng.standard_normal((s["B"], s["T"], C)), _block_params(rng, C)
+    forward = functools.partial(block_forward, n_head=s["n_head"], ln_order=ln_order, gelu=gelu,
+                                dropout=dropout, seed=s["seed"])  # fmt: skip
+    check_layer(forward, block_backward, x, p, oracle="autograd").assert_ok(TOL)
+
+
+@fast()
+@given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), C=st.integers(1, 8),
+       scale=st.sampled_from([1e-2, 1.0, 30.0]), seed=st.integers(0, 2**16))  # fmt: skip
+def test_layernorm_backward_over_shapes(lead, C, scale, seed):
+    rng = np.random.default_rng(seed)
+    x = scale * rng.standard_normal((*lead, C))
+    w, b = 1.0 + rng.standard_normal(C), rng.standard_normal(C)
+    check_layer(layernorm_forward, layernorm_backward, x, w, b, oracle="autograd").assert_ok(TOL)
+    # For C <= 2 the normalized row is +-sqrt(var / (var + eps)) whatever x is, so dx is of order
+    # eps / var: finite differences cannot resolve so small a gradient to 1e-7 (their round-off
+    # is ~1e-10 of F). Autograd checks those widths; finite differences the others.
+    if C >= 3:
+        check_layer(layernorm_forward, layernorm_backward, x, w, b).assert_ok(TOL)
+
+
+@fast()
+@given(B=st.integers(1, 3), T=st.integers(1, 5), V=st.integers(1, 7), scale=st.sampled_from([0.1, 3.0, 50.0]),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_cross_entropy_backward_over_shapes(B, T, V, scale, seed):
+    rng = np.random.default_rng(seed)
+    logits, targets = scale * rng.standard_normal((B, T, V)), rng.integers(0, V, size=(B, T))
+    result = check_layer(cross_entropy_forward, cross_entropy_backward, logits, targets)
+    result.assert_ok(TOL)
+
+
+model_configs = st.fixed_dictionaries({
+    "n_layer": st.integers(1, 2), "n_head": st.integers(1, 3), "hs": st.integers(1, 3),
+    "vocab_size": st.integers(1, 7), "B": st.integers(1, 3), "T": st.integers(1, 5),
+    "extra_context": st.integers(0, 2), "ln_order": st.sampled_from(["pre", "post"]),
+    "position": st.sampled_from(["learned", "sinusoidal"]), "gelu": st.sampled_from(["tanh", "none"]),
+    "seed": st.integers(0, 2**16),
+})  # fmt: skip
+
+
+def _model(m):
+    C = m["n_head"] * m["hs"]
+    position = m["position"] if C % 2 == 0 else "learned"  # the sinusoidal encoding needs even C
+    cfg = GPTConfig(n_layer=m["n_layer"], n_head=m["n_head"], n_embd=C, vocab_size=m["vocab_size"],
+                    block_size=m["T"] + m["extra_context"], ln_order=m["ln_order"],
+                    position=position, gelu=m["gelu"])  # fmt: skip
+    rng = np.random.default_rng(m["seed"])
+    # GPT-2's init has zero biases and unit gains; perturb everything so every term is exercised
+    params = {name: value + 0.3 * rng.standard_normal(value.shape)
+              for name, value in init_params(cfg, seed=m["seed"], dtype="float64").items()}  # fmt: skip
+    idx = rng.integers(0, cfg.vocab_size, size=(m["B"], m["T"]))
+    targets = rng.integers(0, cfg.vocab_size, size=(m["B"], m["T"]))
+    return cfg, params, idx, targets
+
+
+@fast(12)
+@given(m=model_configs)
+def test_whole_model_backward_matches_autograd(m):
+    cfg, params, idx, targets = _model(m)
+    result = check_model(params, idx, targets, cfg, oracle="autograd")
+    assert result.names == list(params)
+    result.assert_ok(TOL)
+
+
+@fast(10)
+@given(m=model_configs)
+def test_whole_model_backward_matches_finite_differences_on_a_subset(m):
+    # n_embd <= 2 makes LN_f's output (nearly) independent of its input (see the LayerNorm test
+    # above): gradients below it are ~1e-5 and below what finite differences resolve.
+    assume(m["n_head"] * m["hs"] >= 3)
+    cfg, params, idx, targets = _model(m)
+    check_model(params, idx, targets, cfg, oracle="finite_differences", max_elements=3).assert_ok(TOL)
+
+
+# --------------------------------------------------------------------------------------------
+# Invariants
+
+
+@fast(20)
+@given(x=hnp.arrays(np.float64, hnp.array_shapes(min_dims=1, max_dims=3, max_side=5),
+                    elements=st.floats(-1e3, 1e3)),
+       backend_name=st.sampled_from(["numpy", "torch", "strict"]))  # fmt: skip
+def test_softmax_rows_sum_to_one(x, backend_name):
+    backend = get_backend(backend_name)
+    for axis in range(-x.ndim, 0):
+        p, _ = softmax_forward(backend.asarray(x), axis=axis)
+        p = to_host(p)
+        assert np.all(p >= 0.0) and np.all(p <= 1.0)
+        np.testing.assert_allclose(p.sum(axis=axis), 1.0, rtol=0, atol=1e-12)
+
+
+@fast()
+@given(s=sizes, t=st.integers(0, 4), backend_name=backends)
+def test_causal_attention_does_not_look_ahead(s, t, backend_name):
+    """Changing the tokens after position t leaves the outputs at positions <= t as they were."""
+    backend, rng = get_backend(backend_name), np.random.default_rng(s["seed"])
+    T = s["T"]
+    t = min(t, T - 1)
+    C = s["n_head"] * s["hs"]
+    x, *weights = _attention_inputs(rng, s["B"], T, C)
+    x2 = x.copy()
+    x2[:, t + 1 :] = rng.standard_normal(x2[:, t + 1 :].shape)
+    y, _ = attention_forward(backend.asarray(x), *map(backend.asarray, weights), n_head=s["n_head"])
+    y2, _ = attention_forward(backend.asarray(x2), *map(backend.asarray, weights), n_head=s["n_head"])
+    y, y2 = to_host(y), to_host(y2)
+    np.testing.assert_allclose(y2[:, : t + 1], y[:, : t + 1], rtol=0, atol=1e-14)
+    if t + 1 < T:  # the later positions do see the change
+        assert not np.allclose(y2[:, t + 1 :], y[:, t + 1 :])
+    # the column convention of the post: column t of Z depends on columns <= t of X only
+    X, X2 = np.swapaxes(x, -1, -2), np.swapaxes(x2, -1, -2)  # (B, C, T)
+    A = rng.standard_normal((s["hs"], C))
+    Bm, Cm = rng.standard_normal((s["hs"], C)), rng.standard_normal((s["hs"], C))
+    Z, _ = attention_single_forward(backend.asarray(X), *map(backend.asarray, (A, Bm, Cm)), causal=True)
+    Z2, _ = attention_single_forward(backend.asarray(X2), *map(backend.asarray, (A, Bm, Cm)), causal=True)
+    np.testing.assert_allclose(to_host(Z2)[..., : t + 1], to_host(Z)[..., : t + 1], rtol=0, atol=1e-14)
+
+
+@fast(10)
+@given(m=model_configs, t=st.integers(0, 4))
+def test_gpt_logits_do_not_look_ahead(m, t):
+    cfg, params, idx, _ = _model(m)
+    t = min(t, idx.shape[1] - 1)
+    idx2 = idx.copy()
+    idx2[:, t + 1 :] = (idx2[:, t + 1 :] + 1) % cfg.vocab_size
+    logits, _, _ = gpt_forward(params, idx, cfg)
+    logits2, _, _ = gpt_forward(params, idx2, cfg)
+    np.testing.assert_allclose(logits2[:, : t + 1], logits[:, : t + 1], rtol=0, atol=1e-13)
+
+
+@fast()
+@given(lead=st.lists(st.integers(1, 3), min_size=1, max_size=2), C=st.integers(2, 9),
+       scale=st.sampled_from([1e-1, 1.0, 1e3]), offset=st.sampled_from([0.0, 5.0, -1e3]),
+       seed=st.integers(0, 2**16), backend_name=st.sampled_from(["numpy", "torch", "strict"]))  # fmt: skip
+def test_layernorm_output_is_standardized(lead, C, scale, offset, seed, backend_name):
+    """With w = 1 and b = 0 every row has mean 0 and variance var / (var + eps), i.e. ~1."""
+    backend, rng = get_backend(backend_name), np.random.default_rng(seed)
+    eps = 1e-5
+    x = offset + scale * rng.standard_normal((*lead, C))
+    y, _ = layernorm_forward(backend.asarray(x), backend.asarray(np.ones(C)),
+                             backend.asarray(np.zeros(C)), eps=eps)  # fmt: skip
+    y = to_host(y)
+    var_in = x.var(axis=-1)
+    np.testing.assert_allclose(y.mean(axis=-1), 0.0, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(y.var(axis=-1), var_in / (var_in + eps), rtol=1e-9)
+    assert np.all(np.abs(y.var(axis=-1) - 1.0) <= eps / var_in + 1e-9)
+
+
+def test_layernorm_of_a_single_channel_is_zero():
+    """C = 1 is the degenerate case: x - mean = 0, so y = b and every input gradient is 0."""
+    x, w, b = np.array([[3.0], [-2.0]]), np.array([2.0]), np.array([0.5])
+    y, cache = layernorm_forward(x, w, b)
+    np.testing.assert_array_equal(y, [[0.5], [0.5]])
+    dx, dw, db = layernorm_backward(np.ones((2, 1)), cache)
+    np.testing.assert_array_equal(dx, 0.0)
+    np.testing.assert_array_equal(db, [2.0])
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_single_position_attention_is_the_value(T):
+    """With one visible key the softmax weight is exactly 1: position 0 outputs its own value."""
+    rng = np.random.default_rng(T)
+    x, w_attn, b_attn, w_proj, b_proj = _attention_inputs(rng, 2, T, 4)
+    y, _ = attention_forward(x, w_attn, b_attn, np.eye(4), np.zeros(4), n_head=2)
+    v = (x @ w_attn + b_attn)[..., 8:]  # (B, T, C)
+    np.testing.assert_allclose(y[:, 0], v[:, 0], rtol=1e-14, atol=1e-15)

@@ -1,0 +1,161 @@
+"""The training loop: exact resume after SIGKILL, divergence, the CLI, backend parity."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pytest
+import torch
+
+from gptlab.backend import to_numpy
+from gptlab.checkpoint import STATE_FILE, load_checkpoint
+from gptlab.cli import build_parser
+from gptlab.data import embedded_corpus
+from gptlab.train import TrainConfig, TrainingDiverged, plot_losses, read_log, train
+
+matplotlib.use("Agg")
+ROOT = Path(__file__).resolve().parent.parent
+TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, eval_iters=2,
+            warmup_iters=2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Float32 sums depend on how torch splits them over threads: pin one thread (and be quick
+    on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(embedded_corpus()[:20_000], encoding="utf-8")
+    return path
+
+
+def _cli_args(**overrides) -> list[str]:
+    args = []
+    for key, value in overrides.items():
+        args += [f"--{key}", str(value)] if not isinstance(value, bool) else \
+                [f"--{key}" if value else f"--no-{key}"]
+    return args
+
+
+def _gptlab(*args, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "gptlab", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return out
+
+
+def _state_step(out_dir: Path) -> int:
+    try:
+        return json.loads((out_dir / STATE_FILE).read_text())["step"]
+    except (OSError, ValueError):  # not written yet
+        return 0
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, corpus):
+    config = dict(TINY, data=corpus, max_iters=60, checkpoint_interval=5, eval_interval=20,
+                  dropout=0.1, quiet=True)
+    straight = _gptlab("train", *_cli_args(**config, out_dir=tmp_path / "straight"))
+
+    killed_dir = tmp_path / "killed"
+    proc = _gptlab("train", *_cli_args(**config, out_dir=killed_dir))
+    while _state_step(killed_dir) < 10 and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    killed_at = _state_step(killed_dir)
+    assert 10 <= killed_at < 60
+
+    _finish(_gptlab("train", *_cli_args(**config, out_dir=killed_dir, resume=True)))
+    _finish(straight)
+    a, b = load_checkpoint(killed_dir), load_checkpoint(tmp_path / "straight")
+    assert a.step == b.step == 60
+    diff = max(float(np.max(np.abs(a.params[n] - b.params[n]))) for n in a.params)
+    assert diff <= 1e-6
+    assert a.state["history"] == b.state["history"]
+    assert (killed_dir / "log.csv").read_text() == (tmp_path / "straight" / "log.csv").read_text()
+
+
+def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
+    cfg = TrainConfig(**TINY, data=str(corpus), max_iters=4, checkpoint_interval=2,
+                      eval_interval=100, out_dir=str(tmp_path))
+    good = train(cfg, progress=False)
+    assert load_checkpoint(tmp_path).step == 4
+    state_before = (tmp_path / STATE_FILE).read_bytes()
+    huge = TrainConfig(**{**asdict(cfg), "lr": 1e30, "lr_schedule": "constant", "max_iters": 8,
+                          "resume": True})
+    expected = r"diverged at step \d.*checkpoint of step 4 .* is untouched"
+    with pytest.raises(TrainingDiverged, match=expected):
+        train(huge, progress=False)
+    assert (tmp_path / STATE_FILE).read_bytes() == state_before
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt.step == 4
+    for name, value in good.params.items():
+        np.testing.assert_array_equal(ckpt.params[name], to_numpy(value))
+
+
+def test_cli_train_writes_logs_and_checkpoint_then_samples(tmp_path, corpus):
+    out_dir = tmp_path / "run"
+    out = _finish(_gptlab("train", *_cli_args(**TINY, data=corpus, max_iters=6, eval_interval=3,
+                                              log_format="jsonl", out_dir=out_dir)))
+    assert "step 6: train loss" in out
+    rows = read_log(out_dir / "log.jsonl")
+    assert [row["step"] for row in rows] == [0, 3, 6]
+    assert all(np.isfinite(row["train_loss"]) and np.isfinite(row["val_loss"]) for row in rows)
+    ax = plot_losses(out_dir / "log.jsonl")
+    assert len(ax.lines) == 2 and list(ax.lines[1].get_xdata()) == [0, 3, 6]
+    assert load_checkpoint(out_dir).step == 6
+
+    sample = _finish(_gptlab("sample", "--checkpoint", str(out_dir), "--prompt", "def",
+                             "--max-new-tokens", "12", "--top-k", "5", "--seed", "3"))
+    assert sample.startswith("def") and len(sample.rstrip("\n")) >= 3
+
+
+def test_cli_reports_bad_data_without_traceback(tmp_path):
+    proc = _gptlab("train", "--data", str(tmp_path / "missing.txt"), "--out_dir", str(tmp_path))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "missing.txt" in err and "Traceback" not in err
+
+
+def test_cli_has_an_option_for_every_config_field():
+    defaults = build_parser().parse_args(["train"])
+    assert TrainConfig(**{k: v for k, v in vars(defaults).items()
+                          if k not in ("command", "quiet")}) == TrainConfig()
+    args = build_parser().parse_args(["train", "--betas", "0.8", "0.9", "--lr_decay_iters", "none",
+                                      "--data", "x.txt", "--resume", "--max_iters", "7"])
+    assert args.betas == [0.8, 0.9] and args.lr_decay_iters is None
+    assert args.data == "x.txt" and args.resume is True and args.max_iters == 7
+
+
+@pytest.mark.parametrize("other", ["numpy", "autograd"])
+def test_backends_give_the_same_losses(tmp_path, corpus, other):
+    """numpy (hand-written), torch (hand-written) and torch autograd agree in float64."""
+    base = dict(TINY, data=str(corpus), dtype="float64", max_iters=3, eval_interval=1)
+    runs = [train(TrainConfig(**base, backend=b, out_dir=str(tmp_path / b)), progress=False)
+            for b in ("torch", other)]
+    (a, b) = ([[row[k] for k in ("train_loss", "val_loss")] for row in r.history] for r in runs)
+    np.testing.assert_allclose(a, b, rtol=1e-10)
+    for name, value in runs[0].params.items():
+        np.testing.assert_allclose(to_numpy(runs[1].params[name]), to_numpy(value), atol=1e-10)
