@@ -38,7 +38,7 @@ from pathlib import Path
 
 import regex
 
-from .tokenizer import TOKENIZERS, Tokenizer
+from .tokenizer import Tokenizer
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 ENDOFTEXT = "<|endoftext|>"
@@ -335,8 +335,6 @@ class ByteBPETokenizer(Tokenizer):
         return (f"ByteBPETokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
                 f"special_tokens={list(self.special_tokens)})")
 
-
-TOKENIZERS[ByteBPETokenizer.type] = ByteBPETokenizer  # load_tokenizer reads "type": "bpe" files
 
 __all__ = ["ByteBPETokenizer", "GPT2_PATTERN", "ENDOFTEXT", "BYTE_TO_CHAR", "CHAR_TO_BYTE",
            "bytes_to_unicode", "split_on_special", "count_words", "count_pairs", "merge_pair",

@@ -87,7 +87,7 @@ def save_checkpoint(out_dir, *, step: int, params: dict, optimizer, tokenizer: T
     optimizer_file = f"optimizer-{step:08d}.safetensors"
     atomic_write(out_dir / model_file, _tensors_bytes(params, step))
     atomic_write(out_dir / optimizer_file, _tensors_bytes(opt_state["state"], step))
-    atomic_write(out_dir / TOKENIZER_FILE, json.dumps(tokenizer.to_dict()).encode("utf-8"))
+    atomic_write(out_dir / TOKENIZER_FILE, tokenizer.to_json().encode("utf-8"))
     state = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
         "model_file": model_file, "optimizer_file": optimizer_file,

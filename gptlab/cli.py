@@ -1,7 +1,8 @@
 """Command line: ``python -m gptlab train [--field value ...]`` and ``python -m gptlab sample``.
 
-The ``train`` options are generated from the fields of ``TrainConfig`` (one ``--name`` per field,
-typed from its annotation), so a new field is a new option with no edit here.
+The ``train`` options are generated from the fields of ``TrainConfig`` (one ``--field-name`` per
+field, ``--field_name`` accepted too, typed from its annotation), so a new field is a new option
+with no edit here.
 """
 
 from __future__ import annotations
@@ -24,21 +25,22 @@ def _optional(parse):
 
 
 def _add_field(parser: argparse.ArgumentParser, name: str, annotation, default) -> None:
-    """One ``--name`` option for a TrainConfig field of type bool, int, float, str (| None) or
+    """One ``--field-name`` option for a TrainConfig field of type bool, int, float, str (| None) or
     tuple[float, ...]."""
-    flag = "--" + name
+    flags = ["--" + name.replace("_", "-")] + (["--" + name] if "_" in name else [])
     help_text = f"(default: {default})"
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if annotation is bool:
-        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                            help=help_text)
+        parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
+                            default=default, help=help_text)
     elif typing.get_origin(annotation) is tuple:
-        parser.add_argument(flag, type=args[0], nargs=len(args), default=default,
+        parser.add_argument(*flags, dest=name, type=args[0], nargs=len(args), default=default,
                             metavar=name.upper(), help=help_text)
     elif type(None) in typing.get_args(annotation):  # X | None
-        parser.add_argument(flag, type=_optional(args[0]), default=default, help=help_text)
+        parser.add_argument(*flags, dest=name, type=_optional(args[0]), default=default,
+                            help=help_text)
     else:
-        parser.add_argument(flag, type=annotation, default=default, help=help_text)
+        parser.add_argument(*flags, dest=name, type=annotation, default=default, help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:

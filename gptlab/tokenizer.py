@@ -4,7 +4,8 @@
 characters: the smallest vocabulary that covers the text, and the one the book trains first.
 Every tokenizer is a ``Tokenizer`` (``encode``, ``decode``, ``vocab_size``, ``to_dict``) and
 saves to a JSON file whose ``"type"`` field names its class, so ``load_tokenizer`` can read any
-of them back (byte-level BPE plugs in by registering one more class in ``TOKENIZERS``).
+of them back (``tokenizer_types`` lists the classes: characters here, byte-level BPE in
+``gptlab.bpe``).
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ class Tokenizer(ABC):
     @abstractmethod
     def from_dict(cls, data: dict) -> Tokenizer: ...
 
+    def to_json(self) -> str:
+        """``to_dict()`` as JSON text, non-ASCII tokens kept readable."""
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
     def save(self, path) -> None:
-        """Write ``to_dict()`` as JSON to ``path``."""
-        Path(path).write_text(json.dumps(self.to_dict()), encoding="utf-8")
+        """Write ``to_json()`` to ``path``."""
+        Path(path).write_text(self.to_json(), encoding="utf-8")
 
 
 class CharTokenizer(Tokenizer):
@@ -101,15 +106,20 @@ class CharTokenizer(Tokenizer):
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
-TOKENIZERS: dict[str, type[Tokenizer]] = {CharTokenizer.type: CharTokenizer}
+def tokenizer_types() -> dict[str, type[Tokenizer]]:
+    """Every tokenizer class by the ``"type"`` name of its JSON files."""
+    from .bpe import ByteBPETokenizer  # imported late: gptlab.bpe builds on this module
+
+    return {CharTokenizer.type: CharTokenizer, ByteBPETokenizer.type: ByteBPETokenizer}
 
 
 def tokenizer_from_dict(data: dict) -> Tokenizer:
     """The tokenizer saved as ``data``, picked by its ``"type"`` field."""
+    types = tokenizer_types()
     kind = data.get("type") if isinstance(data, dict) else None
-    if kind not in TOKENIZERS:
-        raise ValueError(f"unknown tokenizer type {kind!r}: expected one of {sorted(TOKENIZERS)}")
-    return TOKENIZERS[kind].from_dict(data)
+    if kind not in types:
+        raise ValueError(f"unknown tokenizer type {kind!r}: expected one of {sorted(types)}")
+    return types[kind].from_dict(data)
 
 
 def load_tokenizer(path) -> Tokenizer:
@@ -124,4 +134,4 @@ def load_tokenizer(path) -> Tokenizer:
         raise ValueError(f"{path}: {err}") from err
 
 
-__all__ = ["Tokenizer", "CharTokenizer", "TOKENIZERS", "tokenizer_from_dict", "load_tokenizer"]
+__all__ = ["Tokenizer", "CharTokenizer", "tokenizer_types", "tokenizer_from_dict", "load_tokenizer"]

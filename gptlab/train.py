@@ -36,7 +36,8 @@ from .data import EMBEDDED, get_batch, load_text, split_train_val
 from .model import gpt_forward, init_params, loss_and_grads
 from .optim import SGD, AdamW, matrices_and_positions, matrices_only
 from .schedule import SCHEDULES, clip_grad_norm, global_norm, make_schedule
-from .tokenizer import CharTokenizer, Tokenizer
+from .bpe import ByteBPETokenizer
+from .tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 
 LOG_FIELDS = ("step", "lr", "train_loss", "val_loss")
 
@@ -64,6 +65,11 @@ class TrainConfig:
     dtype: str = "float32"
     # data: a UTF-8 text file, None = the embedded corpus; the last val_fraction is validation
     data: str | None = None
+    # tokenizer: "char" (one id per character of the corpus) or "bpe" (byte-level BPE trained on
+    # the corpus up to vocab_size ids); tokenizer_path loads a saved tokenizer JSON instead
+    tokenizer: str = "char"
+    vocab_size: int = 512
+    tokenizer_path: str | None = None
     val_fraction: float = 0.1
     batch_size: int = 12
     # optimisation: "adamw" | "sgd" (momentum, L2 weight_decay); schedule "cosine" (decays to
@@ -94,6 +100,7 @@ class TrainConfig:
         self.betas = tuple(float(b) for b in self.betas)  # JSON gives a list
         choices = {"backend": ("numpy", "torch", "autograd"), "dtype": ("float32", "float64"),
                    "optimizer": ("adamw", "sgd"), "lr_schedule": SCHEDULES,
+                   "tokenizer": ("char", "bpe"),
                    "log_format": ("csv", "jsonl")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -129,6 +136,15 @@ class TrainResult:
     out_dir: Path
     log_path: Path
     checkpoint_path: Path  # the state.json of the last checkpoint
+
+
+def make_tokenizer(cfg: TrainConfig, text: str) -> Tokenizer:
+    """The run's tokenizer: loaded from ``cfg.tokenizer_path``, or built from the corpus."""
+    if cfg.tokenizer_path is not None:
+        return load_tokenizer(cfg.tokenizer_path)
+    if cfg.tokenizer == "bpe":
+        return ByteBPETokenizer.train(text, cfg.vocab_size)
+    return CharTokenizer.from_text(text)
 
 
 def dropout_seed(seed: int, step: int) -> int:
@@ -242,7 +258,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         history = ckpt.state["history"]
         checkpoint_path = out_dir / STATE_FILE
     else:
-        tokenizer = CharTokenizer.from_text(text)
+        tokenizer = make_tokenizer(cfg, text)
         model_cfg = cfg.model_config(tokenizer.vocab_size)
         params = init_params(model_cfg, seed=cfg.seed, backend=cfg.array_backend,
                              dtype=cfg.dtype, device=device)

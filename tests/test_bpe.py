@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from gptlab.bpe import (BYTE_TO_CHAR, ENDOFTEXT, GPT2_PATTERN, ByteBPETokenizer, count_pairs,
                         count_words, merge_pair)
 from gptlab.data import embedded_corpus
-from gptlab.tokenizer import TOKENIZERS, Tokenizer, load_tokenizer
+from gptlab.tokenizer import Tokenizer, load_tokenizer, tokenizer_types
 
 CORPUS = embedded_corpus()
 TRAIN, HELD_OUT = CORPUS[:100_000], CORPUS[100_000:130_000]
@@ -286,7 +286,7 @@ def test_save_load_round_trip(tok, tmp_path):
     loaded = ByteBPETokenizer.load(path)
     assert loaded.to_dict() == data
     assert loaded.encode(HELD_OUT[:5000]) == tok.encode(HELD_OUT[:5000])
-    assert TOKENIZERS["bpe"] is ByteBPETokenizer  # registered by importing gptlab.bpe
+    assert tokenizer_types()["bpe"] is ByteBPETokenizer
     assert load_tokenizer(path).to_dict() == data
 
 

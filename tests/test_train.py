@@ -14,9 +14,9 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 import pytest
-import torch
 
 from gptlab.backend import to_numpy
+from gptlab.bpe import ByteBPETokenizer
 from gptlab.checkpoint import STATE_FILE, load_checkpoint
 from gptlab.cli import build_parser
 from gptlab.data import embedded_corpus
@@ -26,16 +26,6 @@ matplotlib.use("Agg")
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, eval_iters=2,
             warmup_iters=2)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Float32 sums depend on how torch splits them over threads: pin one thread (and be quick
-    on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -130,6 +120,25 @@ def test_cli_train_writes_logs_and_checkpoint_then_samples(tmp_path, corpus):
     sample = _finish(_gptlab("sample", "--checkpoint", str(out_dir), "--prompt", "def",
                              "--max-new-tokens", "12", "--top-k", "5", "--seed", "3"))
     assert sample.startswith("def") and len(sample.rstrip("\n")) >= 3
+
+
+def test_cli_trains_a_bpe_tokenizer_saves_it_and_samples_with_it(tmp_path, corpus):
+    out_dir = tmp_path / "bpe"
+    _finish(_gptlab("train", "--tokenizer", "bpe", "--vocab-size", "300", "--data", str(corpus),
+                    "--max-iters", "4", "--eval-interval", "2", "--out-dir", str(out_dir),
+                    *_cli_args(**{k: v for k, v in TINY.items()})))
+    ckpt = load_checkpoint(out_dir)
+    assert isinstance(ckpt.tokenizer, ByteBPETokenizer) and ckpt.tokenizer.vocab_size == 300
+    assert ckpt.model_config.vocab_size == 300
+    text = corpus.read_text(encoding="utf-8")
+    assert ckpt.tokenizer.encode(text[:2000]) == ByteBPETokenizer.train(text, 300).encode(text[:2000])
+    sample = _finish(_gptlab("sample", "--checkpoint", str(out_dir), "--prompt", "class",
+                             "--max-new-tokens", "5", "--seed", "1"))
+    assert sample.startswith("class")
+
+    reuse = TrainConfig(**TINY, data=str(corpus), max_iters=3, eval_interval=3,
+                        tokenizer_path=str(out_dir / "tokenizer.json"), out_dir=str(tmp_path / "r"))
+    assert train(reuse, progress=False).tokenizer.to_dict() == ckpt.tokenizer.to_dict()
 
 
 def test_cli_reports_bad_data_without_traceback(tmp_path):
