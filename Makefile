@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: venv book test lab vendor clean
+.PHONY: venv book test lab notebooks vendor clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,10 @@ test: $(STAMP)
 lab: $(STAMP)
 	$(VENV)/bin/python -c "import jupyterlab" 2>/dev/null || $(VENV)/bin/pip install jupyterlab
 	$(VENV)/bin/jupyter lab book/
+
+# Re-execute every chapter in place (after a change to the package that alters what they print).
+notebooks: $(STAMP)
+	$(VENV)/bin/python tools/execute_notebooks.py book/*.ipynb
 
 vendor:
 	tools/vendor_js.sh
