@@ -35,6 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gptlab.checkpoint import load_checkpoint
+from gptlab.data import load_text, split_train_val
+from gptlab.metrics import evaluate_loss
 from gptlab.model import count_params
 from gptlab.train import TrainConfig, train
 
@@ -82,7 +85,17 @@ def machine_info(note: str) -> dict:
     }
 
 
-def run(data: Path, eval_iters: int, chunk: int, max_iters: int, out_dir: Path, note: str) -> dict:
+def final_estimates(params, model_config, tokenizer, data: Path, n_batches: int) -> dict:
+    """Train and validation loss of the final weights over ``n_batches`` seeded random batches
+    (12 x 64), a larger and independent sample than the fixed evaluation batches of training."""
+    ids = np.asarray(tokenizer.encode(load_text(data)), dtype=np.int64)
+    train_ids, val_ids = split_train_val(ids, 64, 0.1)
+    return {split: evaluate_loss(params, model_config, split_ids, 12, 64, n_batches, seed=0)
+            for split, split_ids in (("train", train_ids), ("val", val_ids))}
+
+
+def run(data: Path, eval_iters: int, chunk: int, max_iters: int, out_dir: Path, note: str,
+        final_batches: int) -> dict:
     if not data.is_file():
         raise SystemExit(f"error: {data} not found: pass the tinyshakespeare text with --data")
     machine = machine_info(note)
@@ -109,7 +122,11 @@ def run(data: Path, eval_iters: int, chunk: int, max_iters: int, out_dir: Path, 
     runs = {}
     for backend in BACKENDS:
         history = results[backend].history
+        final = final_estimates(results[backend].params, results[backend].model_config,
+                                results[backend].tokenizer, data, final_batches)
         runs[backend] = {
+            "final_val_loss_large_sample": final["val"],
+            "final_train_loss_large_sample": final["train"],
             "final_train_loss": history[-1]["train_loss"],
             "final_val_loss": history[-1]["val_loss"],
             "wall_s": round(times[backend]["wall_s"], 2),
@@ -130,10 +147,27 @@ def run(data: Path, eval_iters: int, chunk: int, max_iters: int, out_dir: Path, 
         "train_config": config,
         "published_val_loss": PUBLISHED_VAL_LOSS,
         "eval_tokens_per_split": eval_iters * 12 * 64,
+        "final_eval_batches": final_batches,
         "runs": runs,
         "ratio_wall_torch_over_autograd": runs["torch"]["wall_s"] / runs["autograd"]["wall_s"],
         "ratio_cpu_torch_over_autograd": runs["torch"]["cpu_s"] / runs["autograd"]["cpu_s"],
     }
+
+
+def evaluate_only(data: Path, out_dir: Path, final_batches: int) -> dict:
+    """The existing results with the final estimate computed from the saved final checkpoints."""
+    res = json.loads((RESULTS / "shakespeare.json").read_text())
+    for backend, run_ in res["runs"].items():
+        ckpt = load_checkpoint(out_dir / backend, backend="torch", dtype="float32")
+        if ckpt.step != res["train_config"]["max_iters"] or ckpt.state["history"] != run_["history"]:
+            raise SystemExit(f"error: {out_dir / backend} is not the run in the results file")
+        final = final_estimates(ckpt.params, ckpt.model_config, ckpt.tokenizer, data, final_batches)
+        run_["final_val_loss_large_sample"] = final["val"]
+        run_["final_train_loss_large_sample"] = final["train"]
+    res["final_eval_batches"] = final_batches
+    res["final_estimate_note"] = ("the estimate over the larger sample was added afterwards by "
+                                  "--evaluate-only, from the final checkpoints of this run")
+    return res
 
 
 def markdown(res: dict) -> str:
@@ -157,8 +191,12 @@ def markdown(res: dict) -> str:
         f"{res['model']['parameters']:,} parameters (with biases; nanoGPT's recipe has none). "
         f"Both runs start from the same weights and see the same batches.",
         "",
-        f"Loss estimates: mean over {cfg['eval_iters']} fixed batches of 12 x 64 characters per "
-        f"split ({res['eval_tokens_per_split']:,} predictions; nanoGPT's recipe uses 20 batches).",
+        f"Loss estimates: during training, the mean over {cfg['eval_iters']} fixed batches of "
+        f"12 x 64 characters per split ({res['eval_tokens_per_split']:,} predictions; nanoGPT's "
+        f"recipe uses 20 random batches); for the final weights also over "
+        f"{res['final_eval_batches']} seeded random batches "
+        f"({res['final_eval_batches'] * 12 * 64:,} predictions), a larger, independent sample"
+        + (f" ({res['final_estimate_note']})." if res.get("final_estimate_note") else "."),
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores ({m['cores_usable']} usable), torch "
         f"{m['torch_threads']} threads; {m['platform']}; Python {m['python']}, NumPy "
@@ -169,18 +207,21 @@ def markdown(res: dict) -> str:
         "sums over the chunks and include the evaluations at every chunk boundary; CPU time is "
         "this process's, all threads.",
         "",
-        "| gradients | final train loss | final val loss | wall time (s) | CPU time (s) |",
-        "|---|---:|---:|---:|---:|",
+        f"| gradients | final train loss | final val loss | val loss, {res['final_eval_batches']} "
+        "batches | wall time (s) | CPU time (s) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for backend, run_ in runs.items():
         lines.append(f"| {LABELS[backend]} | {run_['final_train_loss']:.4f} | "
-                     f"{run_['final_val_loss']:.4f} | {run_['wall_s']:.1f} | {run_['cpu_s']:.1f} |")
-    verdict = all(r["final_val_loss"] <= res["published_val_loss"] for r in runs.values())
+                     f"{run_['final_val_loss']:.4f} | {run_['final_val_loss_large_sample']:.4f} | "
+                     f"{run_['wall_s']:.1f} | {run_['cpu_s']:.1f} |")
+    verdict = all(max(r["final_val_loss"], r["final_val_loss_large_sample"])
+                  <= res["published_val_loss"] for r in runs.values())
     lines += [
         "",
         f"Published figure: validation loss {res['published_val_loss']} (nanoGPT README, about "
-        f"three minutes on a laptop CPU). Both runs at or below it: "
-        f"{'yes' if verdict else 'no'}.",
+        f"three minutes on a laptop CPU, one run, 20 random batches). Both runs at or below it "
+        f"on both estimates: {'yes' if verdict else 'no'}.",
         "",
         f"Ratio hand-written / autograd: wall {res['ratio_wall_torch_over_autograd']:.2f}x, CPU "
         f"{res['ratio_cpu_torch_over_autograd']:.2f}x (above 1: the hand-written backward is "
@@ -209,11 +250,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's own choice)")
     parser.add_argument("--note", default="")
+    parser.add_argument("--final-eval-batches", type=int, default=200,
+                        help="random batches for the final loss estimate of each run")
+    parser.add_argument("--evaluate-only", action="store_true",
+                        help="add the final estimate to an existing results file from the final "
+                             "checkpoints in --out-dir, without training")
     parser.add_argument("--no-write", action="store_true", help="print, do not write results")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    res = run(args.data, args.eval_iters, args.chunk, args.max_iters, args.out_dir, args.note)
+    if args.evaluate_only:
+        res = evaluate_only(args.data, args.out_dir, args.final_eval_batches)
+    else:
+        res = run(args.data, args.eval_iters, args.chunk, args.max_iters, args.out_dir, args.note,
+                  args.final_eval_batches)
     text = markdown(res)
     print(text)
     if not args.no_write:

@@ -142,9 +142,10 @@ def make_tokenizer(cfg: TrainConfig, text: str) -> Tokenizer:
     """The run's tokenizer: loaded from ``cfg.tokenizer_path``, or built from the corpus."""
     if cfg.tokenizer_path is not None:
         return load_tokenizer(cfg.tokenizer_path)
-    if cfg.tokenizer == "bpe":
-        return ByteBPETokenizer.train(text, cfg.vocab_size)
-    return CharTokenizer.from_text(text)
+    if cfg.tokenizer == "bpe":  # merges learned from the training part only: no peek at val
+        return ByteBPETokenizer.train(text[: int(len(text) * (1 - cfg.val_fraction))],
+                                     cfg.vocab_size)
+    return CharTokenizer.from_text(text)  # every character, so val never meets an unknown one
 
 
 def dropout_seed(seed: int, step: int) -> int:

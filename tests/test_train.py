@@ -131,7 +131,9 @@ def test_cli_trains_a_bpe_tokenizer_saves_it_and_samples_with_it(tmp_path, corpu
     assert isinstance(ckpt.tokenizer, ByteBPETokenizer) and ckpt.tokenizer.vocab_size == 300
     assert ckpt.model_config.vocab_size == 300
     text = corpus.read_text(encoding="utf-8")
-    assert ckpt.tokenizer.encode(text[:2000]) == ByteBPETokenizer.train(text, 300).encode(text[:2000])
+    train_part = text[: int(len(text) * 0.9)]  # the merges never see the validation text
+    expected = ByteBPETokenizer.train(train_part, 300)
+    assert ckpt.tokenizer.to_dict() == expected.to_dict()
     sample = _finish(_gptlab("sample", "--checkpoint", str(out_dir), "--prompt", "class",
                              "--max-new-tokens", "5", "--seed", "1"))
     assert sample.startswith("class")

@@ -11,7 +11,7 @@ from ..checks import require_float, require_shape
 
 def linear_forward(x, w, b):
     """x (..., C_in), w (C_in, C_out), b (C_out,) -> y (..., C_out)."""
-    xp = array_namespace(x, w, b)
+    array_namespace(x, w, b)  # one array library for all three, or a TypeError
     for name, a in (("x", x), ("w", w), ("b", b)):
         require_float(name, a)
     require_shape("w", w, (x.shape[-1], None))

@@ -14,7 +14,7 @@ from ..checks import require_float
 
 def position_learned_forward(x, wpe):
     """x (B, T, C), wpe (block_size, C) -> y (B, T, C)."""
-    xp = array_namespace(x, wpe)
+    array_namespace(x, wpe)  # one array library for both, or a TypeError
     require_float("x", x)
     require_float("wpe", wpe)
     T, C = x.shape[-2], x.shape[-1]
