@@ -35,7 +35,10 @@ DecayFilter = Callable[[str, object], bool]
 
 
 def matrices_only(name: str, x) -> bool:
-    """Decay every 2-D weight except the position table (GPT-2/nanoGPT's grouping)."""
+    """Decay every 2-D weight except the position table (biases and LayerNorm gains never).
+
+    minGPT decayed neither embedding table; today's nanoGPT decays every tensor with two or more
+    dimensions, wpe included: that is ``matrices_and_positions``."""
     return len(x.shape) == 2 and name != "wpe.weight"
 
 
