@@ -13,21 +13,19 @@ the per-repetition ratios). Writes ``benchmarks/results/bpe.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import regex
 import tokenizers
 from tokenizers import models, pre_tokenizers, trainers
 
+from machine import machine_info  # benchmarks/machine.py (the script's own folder)
 from gptlab.bpe import ENDOFTEXT, GPT2_PATTERN, ByteBPETokenizer, count_words
 from gptlab.data import embedded_corpus
 
@@ -85,30 +83,8 @@ def median_ratio(numerators: list[float], denominators: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(numerators, denominators))
 
 
-def machine_info(note: str) -> dict:
-    cpu = platform.processor() or "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "load_average_1min_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "regex": regex.__version__,
-        "tokenizers": tokenizers.__version__,
-        "note": note,
-    }
-
-
 def run(repeats: int, note: str) -> dict:
-    machine = machine_info(note)
+    machine = machine_info(note, regex=regex.__version__, tokenizers=tokenizers.__version__)
     text = embedded_corpus()
     n_bytes = len(text.encode("utf-8"))
     words = count_words(text, GPT2_PATTERN, [ENDOFTEXT])

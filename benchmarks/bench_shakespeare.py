@@ -24,10 +24,8 @@ the package itself never reads. Writes ``benchmarks/results/shakespeare.json`` a
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -35,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from machine import machine_info  # benchmarks/machine.py (the script's own folder)
 from gptlab.checkpoint import load_checkpoint
 from gptlab.data import load_text, split_train_val
 from gptlab.metrics import evaluate_loss
@@ -63,28 +62,6 @@ def recipe(data: str, backend: str, out_dir: Path, eval_iters: int, chunk: int) 
     )  # fmt: skip
 
 
-def machine_info(note: str) -> dict:
-    cpu = platform.processor() or "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch_threads": torch.get_num_threads(),
-        "load_average_1min_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "torch": torch.__version__,
-        "note": note,
-    }
-
-
 def final_estimates(params, model_config, tokenizer, data: Path, n_batches: int) -> dict:
     """Train and validation loss of the final weights over ``n_batches`` seeded random batches
     (12 x 64), a larger and independent sample than the fixed evaluation batches of training."""
@@ -98,7 +75,7 @@ def run(data: Path, eval_iters: int, chunk: int, max_iters: int, out_dir: Path, 
         final_batches: int) -> dict:
     if not data.is_file():
         raise SystemExit(f"error: {data} not found: pass the tinyshakespeare text with --data")
-    machine = machine_info(note)
+    machine = machine_info(note, torch=torch.__version__, torch_threads=torch.get_num_threads())
     n_chars = len(data.read_text(encoding="utf-8"))
     times = {b: {"wall_s": 0.0, "cpu_s": 0.0, "chunks": []} for b in BACKENDS}
     results = {}
