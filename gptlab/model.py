@@ -20,7 +20,7 @@ import numpy as np
 from .backend import array_namespace, convert
 from .checks import require_float, require_ids_in_range, require_int
 from .config import GPTConfig
-from .layers.block import BLOCK_PARAM_NAMES, block_backward, block_forward
+from .layers.block import BLOCK_PARAM_NAMES, block_backward, block_forward, block_param_shapes
 from .layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from .layers.dropout import dropout_backward, dropout_forward
 from .layers.embedding import embedding_backward, embedding_forward
@@ -38,15 +38,7 @@ def param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"wte.weight": (V, C)}
     if cfg.position == "learned":
         shapes["wpe.weight"] = (cfg.block_size, C)
-    block = {
-        "ln_1.weight": (C,), "ln_1.bias": (C,),
-        "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,),
-        "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,),
-        "ln_2.weight": (C,), "ln_2.bias": (C,),
-        "mlp.c_fc.weight": (C, 4 * C), "mlp.c_fc.bias": (4 * C,),
-        "mlp.c_proj.weight": (4 * C, C), "mlp.c_proj.bias": (C,),
-    }  # fmt: skip
-    assert tuple(block) == BLOCK_PARAM_NAMES
+    block = block_param_shapes(C)
     for layer in range(cfg.n_layer):
         shapes.update({f"h.{layer}.{name}": shape for name, shape in block.items()})
     shapes["ln_f.weight"] = (C,)

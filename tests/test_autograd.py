@@ -9,7 +9,7 @@ import torch
 
 from gptlab import GPTConfig, gpt_backward, gpt_forward, init_params, param_shapes
 from gptlab import autograd as ag
-from gptlab.layers.block import BLOCK_PARAM_NAMES
+from gptlab.layers.block import block_param_shapes
 from gptlab.reference.torch_gpt import reference_forward, relative_error
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -18,9 +18,7 @@ C = 4
 
 
 def _block_p(rng):
-    shapes = [(C,), (C,), (C, 3 * C), (3 * C,), (C, C), (C,), (C,), (C,), (C, 4 * C), (4 * C,),
-              (4 * C, C), (C,)]  # fmt: skip
-    return {name: rng.normal(size=shape) for name, shape in zip(BLOCK_PARAM_NAMES, shapes)}
+    return {name: rng.normal(size=shape) for name, shape in block_param_shapes(C).items()}
 
 
 # name, positional arrays (NumPy, built from an rng), hyperparameters

@@ -34,7 +34,7 @@ from gptlab.layers.attention_single import (
     attention_single_backward_compact,
     attention_single_forward,
 )
-from gptlab.layers.block import BLOCK_PARAM_NAMES, block_backward, block_forward
+from gptlab.layers.block import block_backward, block_forward, block_param_shapes
 from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gptlab.layers.dropout import dropout_backward, dropout_forward
 from gptlab.layers.embedding import (
@@ -99,15 +99,7 @@ def _ids(rng, high, *shape):
 
 
 def _block_params(rng):
-    shapes = {
-        "ln_1.weight": (C,), "ln_1.bias": (C,),
-        "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,),
-        "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,),
-        "ln_2.weight": (C,), "ln_2.bias": (C,),
-        "mlp.c_fc.weight": (C, 4 * C), "mlp.c_fc.bias": (4 * C,),
-        "mlp.c_proj.weight": (4 * C, C), "mlp.c_proj.bias": (C,),
-    }  # fmt: skip
-    assert tuple(shapes) == BLOCK_PARAM_NAMES
+    shapes = block_param_shapes(C)
     p = {name: 0.5 * rng.standard_normal(shape) for name, shape in shapes.items()}
     p["ln_1.weight"] += 1.0
     p["ln_2.weight"] += 1.0

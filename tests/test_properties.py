@@ -24,7 +24,7 @@ from gptlab import GPTConfig, gpt_forward, init_params
 from gptlab.gradcheck import check_layer, check_model
 from gptlab.layers.attention import attention_forward, attention_backward
 from gptlab.layers.attention_single import attention_single_forward
-from gptlab.layers.block import BLOCK_PARAM_NAMES, block_backward, block_forward
+from gptlab.layers.block import block_backward, block_forward, block_param_shapes
 from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
 from gptlab.layers.softmax import softmax_forward
@@ -50,9 +50,7 @@ def _attention_inputs(rng, B, T, C):
 
 
 def _block_params(rng, C):
-    shapes = [(C,), (C,), (C, 3 * C), (3 * C,), (C, C), (C,), (C,), (C,), (C, 4 * C), (4 * C,),
-              (4 * C, C), (C,)]  # fmt: skip
-    p = {name: 0.5 * rng.standard_normal(shape) for name, shape in zip(BLOCK_PARAM_NAMES, shapes)}
+    p = {name: 0.5 * rng.standard_normal(shape) for name, shape in block_param_shapes(C).items()}
     p["ln_1.weight"] += 1.0
     p["ln_2.weight"] += 1.0
     return p

@@ -18,12 +18,19 @@ from .dropout import dropout_backward, dropout_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .mlp import mlp_backward, mlp_forward
 
-BLOCK_PARAM_NAMES = (
-    "ln_1.weight", "ln_1.bias",
-    "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
-    "ln_2.weight", "ln_2.bias",
-    "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias",
-)  # fmt: skip
+def block_param_shapes(C: int) -> dict[str, tuple[int, ...]]:
+    """Every block parameter's name and shape for width C (GPT-2's (in, out) layout)."""
+    return {
+        "ln_1.weight": (C,), "ln_1.bias": (C,),
+        "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,),
+        "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,),
+        "ln_2.weight": (C,), "ln_2.bias": (C,),
+        "mlp.c_fc.weight": (C, 4 * C), "mlp.c_fc.bias": (4 * C,),
+        "mlp.c_proj.weight": (4 * C, C), "mlp.c_proj.bias": (C,),
+    }  # fmt: skip
+
+
+BLOCK_PARAM_NAMES = tuple(block_param_shapes(1))
 
 
 def _attn(x, p, opts):
