@@ -65,8 +65,8 @@ class TrainConfig:
     dtype: str = "float32"
     # data: a UTF-8 text file, None = the embedded corpus; the last val_fraction is validation
     data: str | None = None
-    # tokenizer: "char" (one id per character of the corpus) or "bpe" (byte-level BPE trained on
-    # the corpus up to vocab_size ids); tokenizer_path loads a saved tokenizer JSON instead
+    # tokenizer: "char" (one id per character of the corpus) or "bpe" (byte-level BPE learned
+    # from the training part of the corpus, vocab_size ids); tokenizer_path loads a saved one
     tokenizer: str = "char"
     vocab_size: int = 512
     tokenizer_path: str | None = None
