@@ -13,7 +13,9 @@ class GPTConfig:
     block_size positions. ``ln_order`` picks the residual block: "pre" (GPT-2/GPT-3: x + f(LN(x)))
     or "post" (the original transformer: LN(x + f(x))). ``position`` picks learned position
     embeddings (GPT-2's wpe) or the fixed sinusoidal encoding. ``gelu`` is "tanh" (GPT-2) or
-    "none" (the exact erf form). ``dropout`` applies in training only (seeded, see gpt_forward).
+    "none" (the exact erf form). ``bias=False`` leaves out every linear and LayerNorm bias
+    (nanoGPT's option; GPT-2 has them). ``dropout`` applies in training only (seeded, see
+    gpt_forward).
     """
 
     n_layer: int = 12
@@ -24,6 +26,7 @@ class GPTConfig:
     ln_order: str = "pre"
     position: str = "learned"
     gelu: str = "tanh"
+    bias: bool = True
     dropout: float = 0.0
     layer_norm_epsilon: float = 1e-5
 
@@ -44,6 +47,8 @@ class GPTConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"GPTConfig.bias must be True or False, got {self.bias!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 

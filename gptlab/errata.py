@@ -55,7 +55,7 @@ def dropped_transpose_linear_backward(dy, cache):
     The shapes only line up when w is square (C_in == C_out), which is exactly why such a slip
     survives a shape check; for a non-square w it fails with a shape error instead.
     """
-    _, w = cache
+    _, w, _ = cache  # (x, w, has_bias)
     _, dw, db = linear_backward(dy, cache)
     dx = dy @ w  # (..., C_in)  WRONG: should be dy @ w.mT
     return dx, dw, db

@@ -300,6 +300,9 @@ def _analytic(backward, dout, cache, args, names, leaves) -> list[np.ndarray]:
     """Run ``backward`` and check its grads: one per float (or dict) input, each of its shape."""
     positions = _checked_positions(args)
     grads = backward(dout, cache)
+    if isinstance(grads, (tuple, list)):  # an optional input left out (a bias) has grad None
+        while len(grads) > len(positions) and grads[-1] is None:
+            grads = grads[:-1]
     if not isinstance(grads, (tuple, list)) or len(grads) != len(positions):
         got = len(grads) if isinstance(grads, (tuple, list)) else f"a {type(grads).__name__}"
         raise ValueError(

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -160,14 +161,18 @@ def to_hf(params: dict, cfg: GPTConfig, directory) -> Path:
 
     ``model.safetensors`` holds every parameter (NumPy or torch) as a contiguous array under
     ``transformer.<GPT-2 name>`` (as Hugging Face saves GPT2LMHeadModel; the tied head is not
-    stored); ``config.json`` holds ``to_hf_config(cfg)``. Returns the directory.
+    stored); ``config.json`` holds ``to_hf_config(cfg)``. GPT-2 always has biases, so a model
+    without them (``cfg.bias=False``) is written with zero biases: the same function. Returns
+    the directory.
     """
     config = to_hf_config(cfg)
     check_params(params, cfg)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {HF_PREFIX + name: np.ascontiguousarray(to_numpy(value))
-               for name, value in params.items()}  # fmt: skip
+    dtype = to_numpy(params["wte.weight"]).dtype
+    tensors = {HF_PREFIX + name: np.ascontiguousarray(to_numpy(params[name])) if name in params
+               else np.zeros(shape, dtype=dtype)
+               for name, shape in param_shapes(replace(cfg, bias=True)).items()}  # fmt: skip
     weights = safetensors.numpy.save(tensors, metadata={"format": "pt"})  # HF wants format=pt
     _write_atomic(directory / WEIGHTS_NAME, weights)
     _write_atomic(directory / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())

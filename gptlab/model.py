@@ -38,11 +38,12 @@ def param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"wte.weight": (V, C)}
     if cfg.position == "learned":
         shapes["wpe.weight"] = (cfg.block_size, C)
-    block = block_param_shapes(C)
+    block = block_param_shapes(C, bias=cfg.bias)
     for layer in range(cfg.n_layer):
         shapes.update({f"h.{layer}.{name}": shape for name, shape in block.items()})
     shapes["ln_f.weight"] = (C,)
-    shapes["ln_f.bias"] = (C,)
+    if cfg.bias:
+        shapes["ln_f.bias"] = (C,)
     return shapes
 
 
@@ -80,7 +81,7 @@ def init_params(cfg: GPTConfig, seed: int = 0, backend: str = "numpy", dtype="fl
 def block_params(params: dict, layer: int) -> dict:
     """The parameters of block ``layer`` with the ``h.{layer}.`` prefix removed."""
     prefix = f"h.{layer}."
-    return {name: params[prefix + name] for name in BLOCK_PARAM_NAMES}
+    return {name: params[prefix + name] for name in BLOCK_PARAM_NAMES if prefix + name in params}
 
 
 def check_params(params: dict, cfg: GPTConfig) -> None:
@@ -143,7 +144,7 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
         )  # (B, T, C)
         cache["blocks"].append(block_cache)
     xf, cache["ln_f"] = layernorm_forward(
-        x, params["ln_f.weight"], params["ln_f.bias"], eps=cfg.layer_norm_epsilon
+        x, params["ln_f.weight"], params.get("ln_f.bias"), eps=cfg.layer_norm_epsilon
     )  # (B, T, C)
     logits = xf @ params["wte.weight"].mT  # (B, T, V), the head tied to the token embedding
     cache["xf"] = xf
@@ -173,7 +174,7 @@ def gpt_backward(cache, dlogits=None) -> dict:
     # logits = xf @ wte^T: the head's share of dwte
     dxf = dlogits @ wte  # (B, T, C)
     dwte_head = xp.reshape(dlogits, (-1, V)).mT @ xp.reshape(xf, (-1, C))  # (V, C)
-    # xf = LN_f(x)
+    # xf = LN_f(x)   (the bias gradient is None in a model without biases)
     dx, grads["ln_f.weight"], grads["ln_f.bias"] = layernorm_backward(dxf, cache["ln_f"])
     for layer in reversed(range(cfg.n_layer)):
         # x = block(x)

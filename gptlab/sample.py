@@ -69,7 +69,7 @@ def _attention_step(x, p, k_past, v_past, *, n_head: int):
     xp = array_namespace(x)
     C = x.shape[-1]
     hs = C // n_head
-    qkv, _ = linear_forward(x, p["attn.c_attn.weight"], p["attn.c_attn.bias"])  # (B, Tn, 3C)
+    qkv, _ = linear_forward(x, p["attn.c_attn.weight"], p.get("attn.c_attn.bias"))  # (B, Tn, 3C)
     q, k, v = split_qkv(qkv, n_head)  # (B, NH, Tn, hs) each
     if k_past is not None:
         k = xp.concat([k_past, k], axis=2)  # (B, NH, T, hs), T = Tp + Tn
@@ -82,7 +82,7 @@ def _attention_step(x, p, k_past, v_past, *, n_head: int):
     scores = xp.where(visible, scores, -math.inf)  # (B, NH, Tn, T)
     att, _ = softmax_forward(scores, axis=-1)  # (B, NH, Tn, T)
     heads = merge_heads(att @ v)  # (B, Tn, C)
-    y, _ = linear_forward(heads, p["attn.c_proj.weight"], p["attn.c_proj.bias"])  # (B, Tn, C)
+    y, _ = linear_forward(heads, p["attn.c_proj.weight"], p.get("attn.c_proj.bias"))  # (B, Tn, C)
     return y, k, v
 
 
@@ -90,12 +90,12 @@ def _block_step(x, p, k_past, v_past, cfg: GPTConfig):
     """One block (pre- or post-LN, as ``block_forward``) on the new positions x (B, Tn, C)."""
 
     def ln(z, name):
-        return layernorm_forward(z, p[f"{name}.weight"], p[f"{name}.bias"],
+        return layernorm_forward(z, p[f"{name}.weight"], p.get(f"{name}.bias"),
                                  eps=cfg.layer_norm_epsilon)[0]  # fmt: skip
 
     def mlp(z):
-        return mlp_forward(z, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"], p["mlp.c_proj.weight"],
-                           p["mlp.c_proj.bias"], approximate=cfg.gelu)[0]  # fmt: skip
+        return mlp_forward(z, p["mlp.c_fc.weight"], p.get("mlp.c_fc.bias"), p["mlp.c_proj.weight"],
+                           p.get("mlp.c_proj.bias"), approximate=cfg.gelu)[0]  # fmt: skip
 
     if cfg.ln_order == "pre":
         a, k, v = _attention_step(ln(x, "ln_1"), p, k_past, v_past, n_head=cfg.n_head)  # (B,Tn,C)
@@ -144,7 +144,7 @@ def _forward_step(params: dict, cfg: GPTConfig, new_ids, cache: KVCache):
         ks.append(k)
         vs.append(v)
     x_last = x[:, -1, :]  # (B, C), only the last position is needed for the next token
-    xf, _ = layernorm_forward(x_last, params["ln_f.weight"], params["ln_f.bias"],
+    xf, _ = layernorm_forward(x_last, params["ln_f.weight"], params.get("ln_f.bias"),
                               eps=cfg.layer_norm_epsilon)  # (B, C)
     logits_last = xf @ wte.mT  # (B, V), the head tied to the token embedding
     return logits_last, KVCache(ks, vs)

@@ -52,11 +52,14 @@ class TrainConfig:
     (0.8 M parameters) on the embedded corpus (Python's reference text) to a validation loss of
     about 1.95 nats per character in about a minute of CPU time (torch backend)."""
 
-    # model (the vocabulary size comes from the tokenizer)
+    # model (the vocabulary size comes from the tokenizer); gelu "tanh" (GPT-2) or "none" (the
+    # exact erf form, nanoGPT's); bias=False drops every linear and LayerNorm bias (nanoGPT's)
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
     block_size: int = 64
+    gelu: str = "tanh"
+    bias: bool = True
     dropout: float = 0.0
     # where the arithmetic runs: "numpy" | "torch" (hand-written backward) | "autograd" (torch
     # reference model + autograd); device for torch ("cpu", "cuda", ...; None = "cpu")
@@ -119,7 +122,8 @@ class TrainConfig:
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                         vocab_size=vocab_size, block_size=self.block_size, dropout=self.dropout)
+                         vocab_size=vocab_size, block_size=self.block_size, gelu=self.gelu,
+                         bias=self.bias, dropout=self.dropout)
 
     @property
     def array_backend(self) -> str:

@@ -98,7 +98,10 @@ def get_backend(name: str, dtype: str = "float64", device=None) -> Backend:
 
 
 def to_host(tree):
-    """Any backend's array (or dict of arrays, or tuple of them) -> NumPy, for comparisons."""
+    """Any backend's array (or dict of arrays, or tuple of them) -> NumPy, for comparisons; None
+    (the gradient of a bias left out) stays None."""
+    if tree is None:
+        return None
     if isinstance(tree, dict):
         return {key: to_host(value) for key, value in tree.items()}
     if isinstance(tree, (tuple, list)):

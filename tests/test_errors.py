@@ -248,6 +248,12 @@ def test_config_choices_are_checked(field, value):
         GPTConfig(n_layer=1, n_head=1, n_embd=4, vocab_size=V, block_size=8, **{field: value})
 
 
+@pytest.mark.parametrize("bias", ["False", 0, None])
+def test_config_bias_must_be_a_bool(bias):
+    with pytest.raises(ValueError, match=rf"GPTConfig.bias must be True or False, got {bias!r}"):
+        GPTConfig(n_layer=1, n_head=1, n_embd=4, vocab_size=V, block_size=8, bias=bias)
+
+
 @pytest.mark.parametrize("dropout", [-0.5, 1.0])
 def test_config_dropout_range(dropout):
     with pytest.raises(ValueError, match=r"GPTConfig.dropout must be in \[0, 1\)"):

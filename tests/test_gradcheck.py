@@ -162,7 +162,7 @@ def test_rejects_a_forgotten_scale():
 
 def layernorm_backward_without_mean_term(dy, cache):
     """Forgets that the mean depends on x: drops the - mean(dxhat) term."""
-    xhat, w, rstd = cache
+    xhat, w, rstd, _ = cache  # the last entry says whether there is a bias
     dx, dw, db = layernorm_backward(dy, cache)
     dxhat = dy * w  # (..., C)
     dx = rstd * (dxhat - xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True))  # WRONG

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+from dataclasses import replace
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing may reach the network
 
@@ -141,6 +142,26 @@ def test_to_hf_round_trip_through_from_pretrained(tmp_path, recwarn, caplog, mon
     assert loaded_cfg == cfg
     assert all(np.array_equal(loaded[name], params[name]) for name in params)
     assert list(loaded) == list(params)
+
+
+def test_a_model_without_biases_exports_with_zero_biases(tmp_path):
+    """GPT-2 always has biases: a bias=False model (nanoGPT's option) is written with zeros,
+    which HF loads without complaint and which compute the same logits."""
+    cfg = GPTConfig(**TINY, bias=False, gelu="none")
+    params = {n: v + 0.1 for n, v in init_params(cfg, seed=2, dtype="float64").items()}
+    to_hf(params, cfg, tmp_path / "ckpt")
+    model, info = GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    seq = sequence(cfg)
+    with torch.no_grad():
+        hf_logits = model.eval()(input_ids=seq).logits
+    logits, _, _ = gpt_forward(params, seq.numpy(), cfg)
+    assert relative_error(logits, hf_logits) < 1e-10
+    loaded, loaded_cfg = from_hf_directory(tmp_path / "ckpt")
+    assert loaded_cfg == replace(cfg, bias=True)
+    biases = [name for name in loaded if name.endswith(".bias")]
+    assert len(biases) == 6 * cfg.n_layer + 1 and not any(loaded[name].any() for name in biases)
+    assert all(np.array_equal(loaded[name], params[name]) for name in params)
 
 
 def test_hf_save_pretrained_reads_back_identically(tmp_path):

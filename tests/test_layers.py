@@ -98,8 +98,8 @@ def _ids(rng, high, *shape):
     return rng.integers(0, high, size=shape, dtype=np.int64)
 
 
-def _block_params(rng):
-    shapes = block_param_shapes(C)
+def _block_params(rng, bias=True):
+    shapes = block_param_shapes(C, bias=bias)
     p = {name: 0.5 * rng.standard_normal(shape) for name, shape in shapes.items()}
     p["ln_1.weight"] += 1.0
     p["ln_2.weight"] += 1.0
@@ -135,6 +135,8 @@ CASES = [
          lambda rng: (_normal(rng, B, T, C),)),
     Case("linear", linear_forward, linear_backward,
          lambda rng: (_normal(rng, B, T, C), _normal(rng, C, 3), _normal(rng, 3))),
+    Case("linear_nobias", linear_forward, linear_backward,
+         lambda rng: (_normal(rng, B, T, C), _normal(rng, C, 3))),
     Case("relu", relu_forward, relu_backward, lambda rng: (_away_from_zero(rng, B, T, C),)),
     Case("gelu_tanh", gelu_forward, gelu_backward, lambda rng: (2 * _normal(rng, B, T, C),),
          {"approximate": "tanh"}),
@@ -150,6 +152,8 @@ CASES = [
          {"p": 0.5, "seed": 7}),
     Case("layernorm", layernorm_forward, layernorm_backward,
          lambda rng: (_normal(rng, B, T, C), 1 + _normal(rng, C), _normal(rng, C))),
+    Case("layernorm_nobias", layernorm_forward, layernorm_backward,
+         lambda rng: (_normal(rng, B, T, C), 1 + _normal(rng, C))),
     Case("attention_single", attention_single_forward, attention_single_backward,
          _attention_single_args(), {"causal": False}),
     Case("attention_single_causal", attention_single_forward, attention_single_backward,
@@ -171,6 +175,12 @@ CASES = [
          lambda rng: (_normal(rng, B, T, C), _block_params(rng)), {"n_head": NH, "ln_order": "pre"}),
     Case("block_post", block_forward, block_backward,
          lambda rng: (_normal(rng, B, T, C), _block_params(rng)), {"n_head": NH, "ln_order": "post"}),
+    Case("block_pre_nobias", block_forward, block_backward,
+         lambda rng: (_normal(rng, B, T, C), _block_params(rng, bias=False)),
+         {"n_head": NH, "ln_order": "pre"}),
+    Case("block_post_nobias", block_forward, block_backward,
+         lambda rng: (_normal(rng, B, T, C), _block_params(rng, bias=False)),
+         {"n_head": NH, "ln_order": "post"}),
     Case("block_pre_dropout", block_forward, block_backward,
          lambda rng: (_normal(rng, B, T, C), _block_params(rng)),
          {"n_head": NH, "ln_order": "pre", "dropout": 0.25, "seed": 3}),
@@ -227,10 +237,12 @@ def test_backward_matches_autograd(case, backend_name):
 
 
 def _flat_grads(args, grads):
-    """The backward's grads, flattened in ``check_layer``'s order (dicts by key)."""
+    """The backward's grads, flattened in ``check_layer``'s order (dicts by key). A bias left out
+    gets a trailing None gradient, dropped here."""
     float_positions = [i for i, a in enumerate(args) if isinstance(a, dict) or
                        (hasattr(a, "dtype") and np.issubdtype(to_host(a).dtype, np.floating))]  # fmt: skip
-    assert len(grads) == len(float_positions), "one grad per float input"
+    assert all(g is None for g in grads[len(float_positions):]), "None for an omitted bias only"
+    assert len(grads) >= len(float_positions), "one grad per float input"
     flat = []
     for pos, grad in zip(float_positions, grads):
         if isinstance(args[pos], dict):
@@ -272,6 +284,9 @@ def test_backward_on_cuda_matches_autograd(case, cuda_backend):
 
 
 def _assert_close_tree(actual, expected, what):
+    if expected is None:  # the gradient of a bias left out
+        assert actual is None, f"{what}: expected None"
+        return
     if isinstance(expected, dict):
         assert set(actual) == set(expected), f"{what}: keys differ"
         for key in expected:
@@ -492,6 +507,22 @@ def test_layernorm_matches_torch(backend, rng):
     y, _ = layernorm_forward(backend.asarray(x), backend.asarray(w), backend.asarray(b))
     expected = torch.nn.functional.layer_norm(torch.tensor(x), (C,), torch.tensor(w), torch.tensor(b))
     np.testing.assert_allclose(to_host(y), expected.numpy(), rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("forward, backward, w_shape", [
+    (linear_forward, linear_backward, (C, 3)), (layernorm_forward, layernorm_backward, (C,))])
+def test_no_bias_is_a_zero_bias_without_its_gradient(backend, rng, forward, backward, w_shape):
+    x, w = backend.asarray(rng.standard_normal((B, T, C))), backend.asarray(rng.standard_normal(w_shape))
+    zero = backend.asarray(np.zeros(w_shape[-1]))
+    y, cache = forward(x, w)
+    y0, cache0 = forward(x, w, zero)
+    np.testing.assert_array_equal(to_host(y), to_host(y0))
+    dy = backend.asarray(rng.standard_normal(tuple(y.shape)))
+    dx, dw, db = backward(dy, cache)
+    dx0, dw0, _ = backward(dy, cache0)
+    assert db is None
+    np.testing.assert_array_equal(to_host(dx), to_host(dx0))
+    np.testing.assert_array_equal(to_host(dw), to_host(dw0))
 
 
 def test_attention_matches_torch_sdpa(backend, rng):

@@ -14,10 +14,11 @@ from gptlab.reference.torch_gpt import reference_forward, relative_error
 
 TINY = dict(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=8)
 CONFIGS = [
-    GPTConfig(**TINY, ln_order=ln, position=pos, gelu=gelu)
-    for ln, pos, gelu in itertools.product(("pre", "post"), ("learned", "sinusoidal"), ("tanh", "none"))
+    GPTConfig(**TINY, ln_order=ln, position=pos, gelu=gelu, bias=bias)
+    for ln, pos, gelu, bias in itertools.product(("pre", "post"), ("learned", "sinusoidal"),
+                                                 ("tanh", "none"), (True, False))
 ]
-CONFIG_IDS = [f"{c.ln_order}-{c.position}-{c.gelu}" for c in CONFIGS]
+CONFIG_IDS = [f"{c.ln_order}-{c.position}-{c.gelu}{'' if c.bias else '-nobias'}" for c in CONFIGS]
 BACKENDS = ("numpy", "torch")
 
 

@@ -19,9 +19,9 @@ BACKENDS = ["numpy", "torch"]
 ARCHS = [("pre", "learned"), ("pre", "sinusoidal"), ("post", "learned"), ("post", "sinusoidal")]
 
 
-def tiny_cfg(ln_order="pre", position="learned"):
+def tiny_cfg(ln_order="pre", position="learned", bias=True):
     return GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=8,
-                     ln_order=ln_order, position=position)  # fmt: skip
+                     ln_order=ln_order, position=position, bias=bias)  # fmt: skip
 
 
 def random_params(cfg, backend, seed=0):
@@ -46,9 +46,10 @@ def backend_of(params):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("ln_order, position", ARCHS)
-def test_kv_cache_logits_equal_full_forward_at_every_step(backend, ln_order, position):
-    cfg = tiny_cfg(ln_order, position)
+def test_kv_cache_logits_equal_full_forward_at_every_step(backend, ln_order, position, bias):
+    cfg = tiny_cfg(ln_order, position, bias)
     params = random_params(cfg, backend)
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, cfg.block_size))  # (B, T)
     cache, t = KVCache(), 0

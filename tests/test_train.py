@@ -160,10 +160,12 @@ def test_cli_has_an_option_for_every_config_field():
     assert args.data == "x.txt" and args.resume is True and args.max_iters == 7
 
 
+@pytest.mark.parametrize("arch", [{}, {"bias": False, "gelu": "none"}], ids=["gpt2", "nanogpt"])
 @pytest.mark.parametrize("other", ["numpy", "autograd"])
-def test_backends_give_the_same_losses(tmp_path, corpus, other):
-    """numpy (hand-written), torch (hand-written) and torch autograd agree in float64."""
-    base = dict(TINY, data=str(corpus), dtype="float64", max_iters=3, eval_interval=1)
+def test_backends_give_the_same_losses(tmp_path, corpus, other, arch):
+    """numpy (hand-written), torch (hand-written) and torch autograd agree in float64, with
+    GPT-2's blocks and with nanoGPT's (no biases, exact GELU)."""
+    base = dict(TINY, **arch, data=str(corpus), dtype="float64", max_iters=3, eval_interval=1)
     runs = [train(TrainConfig(**base, backend=b, out_dir=str(tmp_path / b)), progress=False)
             for b in ("torch", other)]
     (a, b) = ([[row[k] for k in ("train_loss", "val_loss")] for row in r.history] for r in runs)

@@ -5,7 +5,8 @@
 
 ``p`` holds the block's parameters under GPT-2's names without the ``h.{i}.`` prefix
 (``ln_1.weight``, ``attn.c_attn.weight``, ``mlp.c_proj.bias``, ...). With ``dropout > 0`` and a
-``seed``, dropout is applied to the output of each branch (GPT-2's residual dropout).
+``seed``, dropout is applied to the output of each branch (GPT-2's residual dropout). A block
+without biases (nanoGPT's ``bias=False``) simply has no ``*.bias`` entries in ``p``.
 A residual connection y = x + f(x) sends dy down both paths: dx = dy + df's input gradient.
 
 Book: chapter 4 (forward) and chapter 8 (backward).
@@ -18,9 +19,10 @@ from .dropout import dropout_backward, dropout_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .mlp import mlp_backward, mlp_forward
 
-def block_param_shapes(C: int) -> dict[str, tuple[int, ...]]:
-    """Every block parameter's name and shape for width C (GPT-2's (in, out) layout)."""
-    return {
+def block_param_shapes(C: int, bias: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every block parameter's name and shape for width C (GPT-2's (in, out) layout); without
+    ``bias`` the six biases are left out (nanoGPT's ``bias=False``)."""
+    shapes = {
         "ln_1.weight": (C,), "ln_1.bias": (C,),
         "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,),
         "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,),
@@ -28,24 +30,25 @@ def block_param_shapes(C: int) -> dict[str, tuple[int, ...]]:
         "mlp.c_fc.weight": (C, 4 * C), "mlp.c_fc.bias": (4 * C,),
         "mlp.c_proj.weight": (4 * C, C), "mlp.c_proj.bias": (C,),
     }  # fmt: skip
+    return shapes if bias else {name: s for name, s in shapes.items() if not name.endswith(".bias")}
 
 
 BLOCK_PARAM_NAMES = tuple(block_param_shapes(1))
 
 
 def _attn(x, p, opts):
-    return attention_forward(x, p["attn.c_attn.weight"], p["attn.c_attn.bias"],
-                             p["attn.c_proj.weight"], p["attn.c_proj.bias"],
+    return attention_forward(x, p["attn.c_attn.weight"], p.get("attn.c_attn.bias"),
+                             p["attn.c_proj.weight"], p.get("attn.c_proj.bias"),
                              n_head=opts["n_head"])  # fmt: skip
 
 
 def _mlp(x, p, opts):
-    return mlp_forward(x, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"], p["mlp.c_proj.weight"],
-                       p["mlp.c_proj.bias"], approximate=opts["gelu"])  # fmt: skip
+    return mlp_forward(x, p["mlp.c_fc.weight"], p.get("mlp.c_fc.bias"), p["mlp.c_proj.weight"],
+                       p.get("mlp.c_proj.bias"), approximate=opts["gelu"])  # fmt: skip
 
 
 def _ln(x, p, name, opts):
-    return layernorm_forward(x, p[f"{name}.weight"], p[f"{name}.bias"], eps=opts["eps"])
+    return layernorm_forward(x, p[f"{name}.weight"], p.get(f"{name}.bias"), eps=opts["eps"])
 
 
 def _drop(x, opts, offset):
@@ -61,8 +64,9 @@ def _drop_back(dy, cache):
 
 def block_forward(x, p, *, n_head: int, ln_order: str = "pre", gelu: str = "tanh",
                   eps: float = 1e-5, dropout: float = 0.0, seed: int | None = None):
-    """x (B, T, C), p dict of the 12 block parameters -> y (B, T, C)."""
-    missing = [name for name in BLOCK_PARAM_NAMES if name not in p]
+    """x (B, T, C), p dict of the 12 block parameters (6 without biases) -> y (B, T, C)."""
+    expected = block_param_shapes(1, bias=any(name.endswith(".bias") for name in p))
+    missing = [name for name in expected if name not in p]
     if missing:
         raise ValueError(f"block parameters missing: {missing}")
     if ln_order not in ("pre", "post"):
@@ -89,7 +93,8 @@ def block_forward(x, p, *, n_head: int, ln_order: str = "pre", gelu: str = "tanh
 
 
 def _named(prefix, names, grads):
-    return {f"{prefix}.{name}": g for name, g in zip(names, grads)}
+    """The gradients under their parameter names; a missing bias has gradient None: left out."""
+    return {f"{prefix}.{name}": g for name, g in zip(names, grads) if g is not None}
 
 
 def block_backward(dy, cache):

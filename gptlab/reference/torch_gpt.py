@@ -28,24 +28,31 @@ def sinusoidal_table(T: int, C: int, *, dtype, device=None) -> torch.Tensor:
     return table
 
 
+def _affine(x, p: dict, prefix: str):
+    """x @ w + b, or x @ w when the model has no biases."""
+    y = x @ p[prefix + "weight"]
+    bias = p.get(prefix + "bias")
+    return y if bias is None else y + bias
+
+
 def _attention(x, p: dict, prefix: str, n_head: int):
     """Causal self-attention, x (B, T, C) -> (B, T, C)."""
     B, T, C = x.shape
     hs = C // n_head
-    qkv = x @ p[prefix + "c_attn.weight"] + p[prefix + "c_attn.bias"]  # (B, T, 3C)
+    qkv = _affine(x, p, prefix + "c_attn.")  # (B, T, 3C)
     q, k, v = qkv.split(C, dim=-1)  # (B, T, C) each
     q, k, v = (t.view(B, T, n_head, hs).transpose(1, 2) for t in (q, k, v))  # (B, NH, T, hs)
     scores = q @ k.transpose(-2, -1) / math.sqrt(hs)  # (B, NH, T, T)
     future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)  # (T, T)
     att = scores.masked_fill(future, float("-inf")).softmax(dim=-1)  # (B, NH, T, T)
     y = (att @ v).transpose(1, 2).reshape(B, T, C)  # (B, T, C)
-    return y @ p[prefix + "c_proj.weight"] + p[prefix + "c_proj.bias"]  # (B, T, C)
+    return _affine(y, p, prefix + "c_proj.")  # (B, T, C)
 
 
 def _mlp(x, p: dict, prefix: str, approximate: str):
     """x (B, T, C) -> (B, T, C)."""
-    h = F.gelu(x @ p[prefix + "c_fc.weight"] + p[prefix + "c_fc.bias"], approximate=approximate)
-    return h @ p[prefix + "c_proj.weight"] + p[prefix + "c_proj.bias"]  # (B, T, C)
+    h = F.gelu(_affine(x, p, prefix + "c_fc."), approximate=approximate)  # (B, T, 4C)
+    return _affine(h, p, prefix + "c_proj.")  # (B, T, C)
 
 
 def reference_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, training: bool = False):
@@ -58,7 +65,7 @@ def reference_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, traini
     eps = cfg.layer_norm_epsilon
 
     def ln(x, name):
-        return F.layer_norm(x, (C,), params[name + ".weight"], params[name + ".bias"], eps)
+        return F.layer_norm(x, (C,), params[name + ".weight"], params.get(name + ".bias"), eps)
 
     wte = params["wte.weight"]
     x = wte[idx]  # (B, T, C)
