@@ -29,16 +29,14 @@ agree).
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import operator
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable
-from pathlib import Path
 
 import regex
 
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 ENDOFTEXT = "<|endoftext|>"
@@ -328,8 +326,11 @@ class ByteBPETokenizer(Tokenizer):
 
     @classmethod
     def load(cls, path) -> ByteBPETokenizer:
-        """Read a tokenizer JSON file written by ``save``."""
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        """Read a tokenizer JSON file written by ``save`` (``load_tokenizer``, restricted to BPE)."""
+        tokenizer = load_tokenizer(path)
+        if not isinstance(tokenizer, cls):
+            raise ValueError(f"{path}: holds a {type(tokenizer).__name__}, not a {cls.__name__}")
+        return tokenizer
 
     def __repr__(self) -> str:
         return (f"ByteBPETokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "

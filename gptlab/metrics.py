@@ -47,6 +47,36 @@ def bits_per_character(total_nats: float, n_characters: int) -> float:
     return float(total_nats) / (n_characters * math.log(2.0))
 
 
+def _windows_loss(params: dict, cfg: GPTConfig, data: np.ndarray, starts: np.ndarray,
+                  block_size: int) -> float:
+    """Mean loss of the windows data[s : s + T] (targets data[s + 1 : s + T + 1]), starts (B,)."""
+    wte = params["wte.weight"]
+    xp = array_namespace(wte)
+    offsets = np.arange(block_size)  # (T,)
+    windows = data[starts[:, None] + offsets[None, :]]  # (B, T)
+    targets = data[starts[:, None] + offsets[None, :] + 1]  # (B, T)
+    x = asarray_like(windows, wte, dtype=xp.int64)  # (B, T)
+    y = asarray_like(targets, wte, dtype=xp.int64)  # (B, T)
+    _, loss, _ = gpt_forward(params, x, cfg, y)  # ()
+    return float(loss)
+
+
+def _checked_ids(data_ids, cfg: GPTConfig, block_size: int, batch_size: int) -> np.ndarray:
+    """The token ids as a 1-D NumPy int array long enough for one window, or a clear error."""
+    data = np.asarray(data_ids if isinstance(data_ids, (list, tuple)) else to_numpy(data_ids))
+    require_int("data_ids", data)
+    if data.ndim != 1:
+        raise ValueError(f"data_ids must be 1-D, got shape {data.shape}")
+    if not 1 <= block_size <= cfg.block_size:
+        raise ValueError(f"block_size must be in [1, {cfg.block_size}], got {block_size!r}")
+    if data.size < block_size + 1:
+        raise ValueError(f"data_ids has {data.size} tokens, need at least block_size + 1 = "
+                         f"{block_size + 1}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    return data
+
+
 def evaluate_loss(params: dict, cfg: GPTConfig, data_ids, batch_size: int, block_size: int,
                   n_batches: int, seed: int) -> float:
     """Mean next-token cross-entropy (nats) over ``n_batches`` seeded random windows.
@@ -57,31 +87,33 @@ def evaluate_loss(params: dict, cfg: GPTConfig, data_ids, batch_size: int, block
     one. All batches have the same size, so the mean of the batch losses is the mean over all
     batch_size * block_size * n_batches predictions. Evaluation mode (no dropout).
     """
-    data = np.asarray(data_ids if isinstance(data_ids, (list, tuple)) else to_numpy(data_ids))
-    require_int("data_ids", data)
-    if data.ndim != 1:
-        raise ValueError(f"data_ids must be 1-D, got shape {data.shape}")
-    if not 1 <= block_size <= cfg.block_size:
-        raise ValueError(f"block_size must be in [1, {cfg.block_size}], got {block_size!r}")
-    if data.size < block_size + 1:
-        raise ValueError(f"data_ids has {data.size} tokens, need at least block_size + 1 = "
-                         f"{block_size + 1}")
-    if batch_size < 1 or n_batches < 1:
-        raise ValueError(f"batch_size, n_batches must be positive, got {batch_size}, {n_batches}")
-    wte = params["wte.weight"]
-    xp = array_namespace(wte)
+    data = _checked_ids(data_ids, cfg, block_size, batch_size)
+    if n_batches < 1:
+        raise ValueError(f"n_batches must be positive, got {n_batches}")
     rng = np.random.default_rng(int(seed))
-    offsets = np.arange(block_size)  # (T,)
-    losses = []
-    for _ in range(n_batches):
-        starts = rng.integers(0, data.size - block_size, size=batch_size)  # (B,)
-        windows = data[starts[:, None] + offsets[None, :]]  # (B, T)
-        targets = data[starts[:, None] + offsets[None, :] + 1]  # (B, T)
-        x = asarray_like(windows, wte, dtype=xp.int64)  # (B, T)
-        y = asarray_like(targets, wte, dtype=xp.int64)  # (B, T)
-        _, loss, _ = gpt_forward(params, x, cfg, y)  # ()
-        losses.append(float(loss))
+    losses = [_windows_loss(params, cfg, data, rng.integers(0, data.size - block_size,
+                                                            size=batch_size), block_size)
+              for _ in range(n_batches)]  # fmt: skip
     return sum(losses) / n_batches
+
+
+def split_loss(params: dict, cfg: GPTConfig, data_ids, block_size: int,
+               batch_size: int = 64) -> float:
+    """Mean next-token cross-entropy (nats) over a whole split, with no sampling noise.
+
+    data_ids (N,) is cut into the W = (N - 1) // block_size consecutive windows
+    [0, T), [T, 2T), ...; every one of their W * T tokens is predicted once (the last
+    (N - 1) % T tokens are left out, fewer than one window). As in training, the token at
+    position t of a window sees the t tokens before it in that window. The windows go through
+    the model ``batch_size`` at a time; the result is the mean over all W * T predictions.
+    """
+    data = _checked_ids(data_ids, cfg, block_size, batch_size)
+    starts = np.arange((data.size - 1) // block_size) * block_size  # (W,)
+    total = 0.0
+    for first in range(0, starts.size, batch_size):
+        batch = starts[first : first + batch_size]  # (B,) the last batch may be smaller
+        total += _windows_loss(params, cfg, data, batch, block_size) * batch.size
+    return total / starts.size
 
 
 @dataclass
@@ -149,6 +181,6 @@ def reliability_diagram(bins: CalibrationBins, ax=None):
 
 
 __all__ = [
-    "perplexity", "bits_per_token", "bits_per_character", "evaluate_loss",
+    "perplexity", "bits_per_token", "bits_per_character", "evaluate_loss", "split_loss",
     "CalibrationBins", "expected_calibration_error", "reliability_diagram",
 ]  # fmt: skip

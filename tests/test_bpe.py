@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from gptlab.bpe import (BYTE_TO_CHAR, ENDOFTEXT, GPT2_PATTERN, ByteBPETokenizer, count_pairs,
                         count_words, merge_pair)
 from gptlab.data import embedded_corpus
-from gptlab.tokenizer import Tokenizer, load_tokenizer, tokenizer_types
+from gptlab.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, tokenizer_types
 
 CORPUS = embedded_corpus()
 TRAIN, HELD_OUT = CORPUS[:100_000], CORPUS[100_000:130_000]
@@ -288,6 +288,13 @@ def test_save_load_round_trip(tok, tmp_path):
     assert loaded.encode(HELD_OUT[:5000]) == tok.encode(HELD_OUT[:5000])
     assert tokenizer_types()["bpe"] is ByteBPETokenizer
     assert load_tokenizer(path).to_dict() == data
+    char_path = tmp_path / "char.json"
+    CharTokenizer.from_text("abc").save(char_path)
+    with pytest.raises(ValueError, match="holds a CharTokenizer, not a ByteBPETokenizer"):
+        ByteBPETokenizer.load(char_path)
+    (tmp_path / "junk.json").write_bytes(b"\x80\x81 not json")
+    with pytest.raises(ValueError, match="junk.json: not a tokenizer JSON file"):
+        ByteBPETokenizer.load(tmp_path / "junk.json")
 
 
 def broken(data: dict, **changes) -> dict:

@@ -16,6 +16,7 @@ from gptlab.metrics import (
     expected_calibration_error,
     perplexity,
     reliability_diagram,
+    split_loss,
 )
 
 matplotlib.use("Agg")
@@ -81,6 +82,33 @@ def test_evaluate_loss_bad_inputs(data_size, kwargs, match):
     args = {"batch_size": 2, "block_size": 8, "n_batches": 1, "seed": 0, **kwargs}
     with pytest.raises(ValueError, match=match):
         evaluate_loss(params, CFG, np.zeros(data_size, dtype=np.int64), **args)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_split_loss_predicts_every_token_of_whole_windows_once(backend):
+    """Three windows of 8 plus 5 left-over tokens: the mean over the 24 predictions of the
+    windows, whatever the batch size; the left-over tokens change nothing."""
+    params = init_params(CFG, seed=3, backend=backend, dtype="float64")
+    T, W = CFG.block_size, 3
+    data = np.random.default_rng(3).integers(0, CFG.vocab_size, size=W * T + 1 + 5)
+    windows = data[: W * T].reshape(W, T)  # (W, T)
+    targets = data[1 : W * T + 1].reshape(W, T)  # (W, T)
+    _, expected, _ = gpt_forward(params, convert(windows, backend), CFG, convert(targets, backend))
+    for batch_size in (1, 2, 64):
+        loss = split_loss(params, CFG, convert(data, backend), T, batch_size=batch_size)
+        assert loss == pytest.approx(float(expected), rel=1e-13)
+    changed = data.copy()
+    changed[W * T + 1 :] = (changed[W * T + 1 :] + 1) % CFG.vocab_size
+    assert split_loss(params, CFG, changed, T) == pytest.approx(float(expected), rel=1e-13)
+
+
+@pytest.mark.parametrize("data_size, kwargs, match", [
+    (8, {}, "at least"), (100, dict(block_size=0), "block_size"),
+    (100, dict(batch_size=0), "positive")])  # fmt: skip
+def test_split_loss_bad_inputs(data_size, kwargs, match):
+    params = init_params(CFG, dtype="float64")
+    with pytest.raises(ValueError, match=match):
+        split_loss(params, CFG, np.zeros(data_size, dtype=np.int64), **{"block_size": 8, **kwargs})
 
 
 def binary_probs(confidences, correct):
