@@ -1,6 +1,6 @@
-"""Character-level Shakespeare with nanoGPT's CPU recipe: the hand-written backward vs autograd.
+"""Character-level Shakespeare with nanoGPT's CPU recipe: hand-written backward, autograd, nanoGPT.
 
-    python benchmarks/bench_shakespeare.py [--data PATH] [--seeds 1337 1 2 3] [--jobs 2] [--note "..."]
+    python benchmarks/bench_shakespeare.py [--data PATH] [--seeds 1337 1 2 3] [--jobs 2]
 
 The quality bar of the training chapter. nanoGPT's README trains a character-level model on
 tinyshakespeare on a laptop CPU with 4 layers, 4 heads, width 128, context 64, batch 12, 2000

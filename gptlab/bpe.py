@@ -326,7 +326,7 @@ class ByteBPETokenizer(Tokenizer):
 
     @classmethod
     def load(cls, path) -> ByteBPETokenizer:
-        """Read a tokenizer JSON file written by ``save`` (``load_tokenizer``, restricted to BPE)."""
+        """Read a tokenizer JSON file written by ``save`` (``load_tokenizer``, for BPE only)."""
         tokenizer = load_tokenizer(path)
         if not isinstance(tokenizer, cls):
             raise ValueError(f"{path}: holds a {type(tokenizer).__name__}, not a {cls.__name__}")
