@@ -120,6 +120,14 @@ def test_adamw_steps_with_manual_backward_track_hf():
         assert relative_error(value, want[name]) < 1e-10, name
 
 
+def from_pretrained_logits(directory, seq):
+    """GPT2LMHeadModel.from_pretrained(directory) -> (model, loading info, its logits on seq)."""
+    model, info = GPT2LMHeadModel.from_pretrained(directory, output_loading_info=True)
+    with torch.no_grad():
+        logits = model.eval()(input_ids=seq).logits
+    return model, info, logits
+
+
 def test_to_hf_round_trip_through_from_pretrained(tmp_path, recwarn, caplog, monkeypatch):
     cfg = GPTConfig(**TINY, dropout=0.1)
     params = {n: v + 0.1 for n, v in init_params(cfg, seed=1, dtype="float64").items()}
@@ -127,15 +135,13 @@ def test_to_hf_round_trip_through_from_pretrained(tmp_path, recwarn, caplog, mon
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
     # transformers logs its warnings to a logger that does not propagate: let caplog see them
     monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)
-    model, info = GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt", output_loading_info=True)
+    seq = sequence(cfg)
+    model, info, hf_logits = from_pretrained_logits(tmp_path / "ckpt", seq)
     assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(),
                     "error_msgs": []}  # fmt: skip
     assert not [w for w in recwarn if "transformers" in str(w.filename)]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert model.dtype == torch.float64 and model.lm_head.weight is model.transformer.wte.weight
-    seq = sequence(cfg)
-    with torch.no_grad():
-        hf_logits = model.eval()(input_ids=seq).logits
     logits, _, _ = gpt_forward(params, seq.numpy(), cfg)
     assert relative_error(logits, hf_logits) < 1e-10
     loaded, loaded_cfg = from_hf_directory(tmp_path / "ckpt")
@@ -150,11 +156,9 @@ def test_a_model_without_biases_exports_with_zero_biases(tmp_path):
     cfg = GPTConfig(**TINY, bias=False, gelu="none")
     params = {n: v + 0.1 for n, v in init_params(cfg, seed=2, dtype="float64").items()}
     to_hf(params, cfg, tmp_path / "ckpt")
-    model, info = GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
     seq = sequence(cfg)
-    with torch.no_grad():
-        hf_logits = model.eval()(input_ids=seq).logits
+    _, info, hf_logits = from_pretrained_logits(tmp_path / "ckpt", seq)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
     logits, _, _ = gpt_forward(params, seq.numpy(), cfg)
     assert relative_error(logits, hf_logits) < 1e-10
     loaded, loaded_cfg = from_hf_directory(tmp_path / "ckpt")
