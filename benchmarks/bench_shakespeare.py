@@ -90,7 +90,8 @@ def final_scores(params: dict, cfg, val_ids: np.ndarray, draws: int) -> dict:
         "draws": estimates,
         "draws_p5": quantiles[0],
         "draws_p95": quantiles[-1],
-        "draws_share_at_or_below_published": sum(e <= PUBLISHED_VAL_LOSS for e in estimates) / draws,
+        "draws_share_at_or_below_published":
+            sum(e <= PUBLISHED_VAL_LOSS for e in estimates) / draws,
     }
 
 
@@ -121,7 +122,8 @@ def run_seed(data: Path, seed: int, eval_iters: int, chunk: int, max_iters: int,
     wall, cpu = time.perf_counter(), time.process_time()
     nanogpt = train_nanogpt(ids, first.tokenizer.vocab_size, seed, max_iters)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    print(f"seed {seed} nanoGPT  step {max_iters:5d} ({wall:.1f} s wall, {cpu:.1f} s CPU)", flush=True)
+    print(f"seed {seed} nanoGPT  step {max_iters:5d} ({wall:.1f} s wall, {cpu:.1f} s CPU)",
+          flush=True)
     runs = {"nanogpt": {**final_scores(to_gptlab_params(nanogpt), first.model_config, val_ids,
                                        draws), "wall_s": round(wall, 2), "cpu_s": round(cpu, 2)}}
     for backend in BACKENDS:
@@ -243,7 +245,8 @@ def markdown(res: dict) -> str:
                     for b, v in pooled.items()) + ".",
         "",
         f"Ratio hand-written / autograd over all seeds: wall "
-        f"{res['ratio_wall_torch_over_autograd']:.2f}x, CPU {res['ratio_cpu_torch_over_autograd']:.2f}x "
+        f"{res['ratio_wall_torch_over_autograd']:.2f}x, CPU "
+        f"{res['ratio_cpu_torch_over_autograd']:.2f}x "
         "(above 1: the hand-written backward is slower; its eager elementwise temporaries are not "
         "fused). CPU time against nanoGPT's code: hand-written backward "
         f"{res['ratio_cpu_torch_over_nanogpt']:.2f}x, autograd "
@@ -259,8 +262,8 @@ def markdown(res: dict) -> str:
     ]
     histories = [seeds[0]["runs"][b]["history"] for b in BACKENDS]
     for rows in zip(*histories):
-        lines.append(f"| {rows[0]['step']} | " + " | ".join(f"{row['val_loss']:.4f}" for row in rows)
-                     + " |")
+        losses = " | ".join(f"{row['val_loss']:.4f}" for row in rows)
+        lines.append(f"| {rows[0]['step']} | {losses} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,11 +19,10 @@ def linear_forward(x, w, b=None):
     for name, a in named.items():
         require_float(name, a)
     require_shape("w", w, (x.shape[-1], None))
-    if b is None:
-        return x @ w, (x, w, False)  # (..., C_out)
-    require_shape("b", b, (w.shape[1],))
-    y = x @ w + b  # (..., C_out)
-    return y, (x, w, True)
+    if b is not None:
+        require_shape("b", b, (w.shape[1],))
+    y = x @ w if b is None else x @ w + b  # (..., C_out)
+    return y, (x, w, b is not None)
 
 
 def linear_backward(dy, cache):
