@@ -5,7 +5,8 @@ The names most readers need are here; each lives in its own module:
 - the model (``gptlab.model``): ``GPTConfig``, ``init_params``, ``gpt_forward``, ``gpt_backward``;
 - gradient checking (``gptlab.gradcheck``): ``check_layer``, ``check_model``;
 - generation (``gptlab.sample``): ``generate``;
-- Hugging Face GPT-2 interop (``gptlab.interop``): ``from_hf``, ``to_hf``.
+- Hugging Face GPT-2 interop (``gptlab.interop``): ``from_hf``, ``to_hf``;
+- the package's own code, for the chapters (``gptlab.source``): ``show_source``.
 
 The layers are in ``gptlab.layers``, torch integration in ``gptlab.autograd``, training in
 ``gptlab.train``.
@@ -23,6 +24,7 @@ from .model import (
     param_shapes,
 )
 from .sample import generate
+from .source import show_source
 
 __version__ = "0.1.0"
 
@@ -38,5 +40,6 @@ __all__ = [
     "init_params",
     "loss_and_grads",
     "param_shapes",
+    "show_source",
     "to_hf",
 ]

@@ -36,12 +36,25 @@ from .model import gpt_backward, gpt_forward
 TOLERANCE = 1e-7
 ORACLES = ("finite_differences", "autograd")
 
-__all__ = ["TOLERANCE", "GradcheckEntry", "GradcheckResult", "check_layer", "check_model"]
+__all__ = ["TOLERANCE", "GradcheckEntry", "GradcheckResult", "below", "check_layer", "check_model"]
 
 
 def _fmt(x: float) -> str:
-    """The one number format of every report (stored notebook outputs compare it)."""
-    return f"{x:.2e}"
+    """A tolerance or an error far above round-off: two significant digits, e.g. "1e-07"."""
+    return f"{x:.2g}"
+
+
+def below(value: float, bound: float) -> str:
+    """``"below 1e-09"``, after asserting ``value < bound``: how the book prints a round-off-sized
+    number. Its digits differ from one CPU to the next; the bound does not."""
+    if not value < bound:
+        raise AssertionError(f"{value!r} is not below {_fmt(bound)}")
+    return f"below {_fmt(bound)}"
+
+
+def _shown_error(error: float, tol: float) -> str:
+    """A passing error as the bound it passed (``< 1e-07``), a failing one with its digits."""
+    return f"< {_fmt(tol)}" if error < tol else _fmt(error)
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,22 +143,25 @@ class GradcheckResult:
             for entry in self.entries
         ]
 
-    def _table(self, tol: float = TOLERANCE) -> str:
-        rows = self.as_rows(tol)
-        name_w = max([len("input")] + [len(row["input"]) for row in rows])
-        shape_w = max([len("shape")] + [len(str(row["shape"])) for row in rows])
-        oracle = self.oracle.replace("_", " ")
-        lines = [
-            f"gradient check against {oracle} (pass: rel. error < {_fmt(tol)})",
-            f"{'input':<{name_w}}  {'shape':<{shape_w}}  {'rel. error':>10}  {'max abs error':>13}"
-            "  result",
+    def _display_rows(self, tol: float) -> list[tuple[str, str, str, str, str]]:
+        """(input, shape, rel. error, max abs error, PASS/FAIL) as shown: a passing row shows the
+        bound it passed, not its round-off digits, so the report reads the same on every CPU."""
+        return [
+            (row["input"], str(row["shape"]), _shown_error(row["rel_error"], tol),
+             "" if row["passed"] else _fmt(row["max_abs_error"]),
+             "PASS" if row["passed"] else "FAIL")
+            for row in self.as_rows(tol)
         ]
-        for row in rows:
-            lines.append(
-                f"{row['input']:<{name_w}}  {str(row['shape']):<{shape_w}}  "
-                f"{_fmt(row['rel_error']):>10}  {_fmt(row['max_abs_error']):>13}  "
-                f"{'PASS' if row['passed'] else 'FAIL'}"
-            )
+
+    def _table(self, tol: float = TOLERANCE) -> str:
+        rows = [("input", "shape", "rel. error", "max abs error", "result")]
+        rows += self._display_rows(tol)
+        widths = [max(len(row[k]) for row in rows) for k in range(4)]
+        oracle = self.oracle.replace("_", " ")
+        lines = [f"gradient check against {oracle} (pass: rel. error < {_fmt(tol)})"]
+        for name, shape, rel, abs_err, verdict in rows:
+            lines.append(f"{name:<{widths[0]}}  {shape:<{widths[1]}}  {rel:>{widths[2]}}  "
+                         f"{abs_err:>{widths[3]}}  {verdict}".rstrip())
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -154,16 +170,15 @@ class GradcheckResult:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        cells = []
         pad = 'style="padding:0.15em 0.8em"'
-        for row in self.as_rows():
-            color = "#1a7f37" if row["passed"] else "#cf222e"
-            verdict = "PASS" if row["passed"] else "FAIL"
+        cells = []
+        for name, shape, rel, abs_err, verdict in self._display_rows(TOLERANCE):
+            color = "#1a7f37" if verdict == "PASS" else "#cf222e"
             cells.append(
-                f"<tr><td {pad}><code>{html.escape(row['input'])}</code></td>"
-                f"<td {pad}>{html.escape(str(row['shape']))}</td>"
-                f"<td {pad} align=\"right\">{_fmt(row['rel_error'])}</td>"
-                f"<td {pad} align=\"right\">{_fmt(row['max_abs_error'])}</td>"
+                f"<tr><td {pad}><code>{html.escape(name)}</code></td>"
+                f"<td {pad}>{html.escape(shape)}</td>"
+                f"<td {pad} align=\"right\">{html.escape(rel)}</td>"
+                f"<td {pad} align=\"right\">{abs_err}</td>"
                 f"<td {pad}><b style=\"color:{color}\">{verdict}</b></td></tr>"
             )
         oracle = html.escape(self.oracle.replace("_", " "))

@@ -11,7 +11,7 @@ import gptlab.gradcheck as gradcheck
 from gptlab import GPTConfig, init_params
 from gptlab.backend import convert
 from gptlab.errata import draft_attention_single_backward, dropped_transpose_linear_backward
-from gptlab.gradcheck import check_layer, check_model
+from gptlab.gradcheck import below, check_layer, check_model
 from gptlab.layers.attention_single import (
     attention_single_backward,
     attention_single_backward_compact,
@@ -264,7 +264,9 @@ def test_text_report(mixed_result):
     for name, verdict in (("x", "FAIL"), ("w", "PASS"), ("b", "PASS")):
         (row,) = [line for line in lines[2:] if line.split()[0] == name]
         assert row.endswith(verdict)
-        assert f"{mixed_result.rel_error(name):.2e}" in row
+        # a failing row shows its error; a passing one the bound it passed, not round-off digits
+        shown = f"{mixed_result.rel_error(name):.2g}" if verdict == "FAIL" else "< 1e-07"
+        assert shown in row
     assert repr(mixed_result) == text
     assert "FAIL" in str(pytest.raises(AssertionError, mixed_result.assert_ok).value)
 
@@ -276,7 +278,16 @@ def test_html_report(mixed_result):
     cells = [["".join(td.itertext()) for td in tr] for tr in table.iter("tr")][1:]
     assert [row[0] for row in cells] == ["x", "w", "b"]
     assert [row[-1] for row in cells] == ["FAIL", "PASS", "PASS"]
+    assert [row[2] for row in cells][1:] == ["< 1e-07", "< 1e-07"]
     assert "#cf222e" in page and "#1a7f37" in page
+
+
+def test_below_states_a_bound_and_asserts_it():
+    assert below(3.2e-11, 1e-9) == "below 1e-09"
+    with pytest.raises(AssertionError, match="not below 1e-09"):
+        below(2e-9, 1e-9)
+    with pytest.raises(AssertionError):
+        below(float("nan"), 1.0)
 
 
 def test_rows(mixed_result):
