@@ -139,3 +139,85 @@ def test_toc_follows_the_chapter_plan():
     assert entries[:-1] == planned, "the chapters in _toc.yml differ from the table in docs/CHAPTERS.md"
     assert entries[-1] == "book/references"
     assert "```{bibliography}" in (ROOT / "book" / "references.md").read_text()
+
+
+# --- Chapters read the same in JupyterLab, Colab and the HTML book ---------------------------
+
+def _code_cells(path):
+    return [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]
+
+
+def _setup_cells_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("setup_cells", ROOT / "tools" / "setup_cells.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_setup_cells_match_the_repository_in_config():
+    tool = _setup_cells_tool()
+    stale = [path.name for path in tool.chapters() if tool.stale(path, tool.repository_url())]
+    assert not stale, f"stale set-up cells (run tools/setup_cells.py): {stale}"
+
+
+INSTALL = re.compile(r"pip[\"',\s]+install|%pip|!pip|git\+|easy_install|conda install")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[nb.name for nb in NOTEBOOKS])
+def test_notebooks_install_only_from_the_books_repository(path):
+    """Only the set-up cell installs, and only from repository.url of _config.yml: an address the
+    project does not control would run a stranger's code on every Colab reader's machine."""
+    setup, *rest = _code_cells(path)
+    for index, cell in enumerate(rest, start=1):
+        assert not INSTALL.search(cell.source), f"{path.name}: code cell {index} installs something"
+    url = _config()["repository"]["url"]
+    assigned = re.findall(r"^GPTLAB_REPOSITORY = (\"[^\"]*\")", setup.source, re.M)
+    assert assigned == [f'"{url}"'], "the set-up cell must take its address from _config.yml"
+    targets = re.findall(r"git\+(\S+?)[\"']", setup.source)
+    assert targets and all(t == "{GPTLAB_REPOSITORY}" for t in targets if "<" not in t)
+    assert not re.search(r"https?://", setup.source.replace(url, "") if url else setup.source)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[nb.name for nb in NOTEBOOKS])
+def test_package_code_is_shown_by_code_cells_not_sphinx_directives(path):
+    """{literalinclude} shows in the HTML book only; JupyterLab and Colab print it raw."""
+    nb = nbformat.read(path, as_version=4)
+    directives = [i for i, cell in enumerate(nb.cells) if "{literalinclude}" in cell.source]
+    assert not directives, f"{path.name}: cells {directives} use {{literalinclude}}; use show_source"
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.startswith("show_source("):
+            (markdown,) = [out.data["text/markdown"] for out in cell.outputs if "data" in out]
+            assert "```python\n" in markdown
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[nb.name for nb in NOTEBOOKS])
+def test_solutions_are_collapsed_everywhere(path):
+    """Prose solutions in <details> (closed in all three readers), code solutions hidden in the
+    HTML book (hide-cell), JupyterLab (source_hidden) and Colab (a form with a title)."""
+    nb = nbformat.read(path, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown":
+            assert not re.search(r"\{admonition\} Solution|\{dropdown\}", cell.source), \
+                f"{path.name} cell {i}: a MyST dropdown shows open in JupyterLab; use <details>"
+            if "<details>" in cell.source:
+                assert cell.source.startswith("<details>\n<summary>") and \
+                    cell.source.rstrip().endswith("</details>"), f"{path.name} cell {i}"
+        elif "hide-cell" in cell.metadata.get("tags", []):
+            assert cell.metadata.get("jupyter") == {"source_hidden": True, "outputs_hidden": True}
+            assert cell.metadata.get("cellView") == "form" and cell.source.startswith("# @title ")
+
+
+def test_extras_are_pinned_in_requirements():
+    """Every dependency and extra of pyproject.toml is pinned (==) in requirements.txt."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (ROOT / "requirements.txt").read_text(), re.M))
+    pins = {name.lower().replace("_", "-"): version for name, version in pins.items()}
+    wanted = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        wanted += [req for req in extra if not req.startswith("gptlab[")]
+    names = {re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("_", "-") for req in wanted}
+    assert sorted(names - pins.keys()) == []
