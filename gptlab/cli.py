@@ -1,8 +1,9 @@
-"""Command line: ``python -m gptlab train [--field value ...]`` and ``python -m gptlab sample``.
+"""Command line: ``python -m gptlab train [--option value ...]`` and ``python -m gptlab sample``.
 
-The ``train`` options are generated from the fields of ``TrainConfig`` (one ``--field-name`` per
-field, ``--field_name`` accepted too, typed from its annotation), so a new field is a new option
-with no edit here.
+The ``train`` options are generated from the fields of ``TrainConfig``: one ``--field-name`` per
+field (``--field_name`` works too, unlisted), typed from its annotation, with the field's own
+description, its choices and its default as help. A new field is a new option; ``TRAIN_GROUPS``
+says under which heading ``--help`` lists it.
 """
 
 from __future__ import annotations
@@ -10,9 +11,21 @@ from __future__ import annotations
 import argparse
 import sys
 import typing
-from dataclasses import MISSING, fields
+from dataclasses import Field, fields
 
 from .train import TrainConfig, TrainingDiverged, train
+
+TRAIN_GROUPS = {
+    "model": ("n_layer", "n_head", "n_embd", "block_size", "gelu", "bias", "dropout"),
+    "data": ("data", "tokenizer", "vocab_size", "tokenizer_path", "val_fraction", "batch_size"),
+    "optimisation": ("optimizer", "lr", "weight_decay", "betas", "eps", "momentum",
+                     "decay_position_embeddings", "grad_clip"),
+    "schedule": ("max_iters", "lr_schedule", "warmup_iters", "min_lr", "lr_decay_iters"),
+    "evaluation and checkpoints": ("eval_interval", "eval_iters", "log_format", "out_dir",
+                                   "checkpoint_interval", "resume"),
+    "runtime": ("backend", "device", "dtype", "threads", "seed"),
+}
+ALIASES = {"lr": ("--learning-rate",)}  # the names other trainers (Hugging Face's) use
 
 
 def _optional(parse):
@@ -24,55 +37,96 @@ def _optional(parse):
     return parse_optional
 
 
-def _add_field(parser: argparse.ArgumentParser, name: str, annotation, default) -> None:
-    """One ``--field-name`` option for a TrainConfig field of type bool, int, float, str (| None) or
-    tuple[float, ...]."""
-    flags = ["--" + name.replace("_", "-")] + (["--" + name] if "_" in name else [])
-    help_text = f"(default: {default})"
+def _help(text: str, flag: str, default) -> str:
+    """``text`` and the default as one types it; '%' escaped (argparse %-formats help)."""
+    if isinstance(default, bool):
+        shown = flag if default else "--no-" + flag[2:]
+    elif default is None:
+        shown = "none"
+    elif isinstance(default, tuple):
+        shown = " ".join(map(str, default))
+    else:
+        shown = str(default) if str(default).isprintable() else repr(default)
+    return f"{text} (default: {shown})".replace("%", "%%")
+
+
+def _add_field(group, field: Field, annotation) -> None:
+    """The option of one TrainConfig field of type bool, int, float, str (| None) or
+    tuple[float, ...]; with choices if the field has them."""
+    flag = "--" + field.name.replace("_", "-")
+    options = dict(dest=field.name, default=field.default,
+                   help=_help(field.metadata["help"], flag, field.default))
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if annotation is bool:
-        parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
-                            default=default, help=help_text)
+        options["action"] = argparse.BooleanOptionalAction
     elif typing.get_origin(annotation) is tuple:
-        parser.add_argument(*flags, dest=name, type=args[0], nargs=len(args), default=default,
-                            metavar=name.upper(), help=help_text)
+        options.update(type=args[0], nargs=len(args))
     elif type(None) in typing.get_args(annotation):  # X | None
-        parser.add_argument(*flags, dest=name, type=_optional(args[0]), default=default,
-                            help=help_text)
+        options["type"] = _optional(args[0])
+    elif field.metadata["choices"] is not None:
+        aliases = field.metadata["aliases"]
+        options.update(type=lambda text: aliases.get(text, text), choices=field.metadata["choices"])
     else:
-        parser.add_argument(*flags, dest=name, type=annotation, default=default, help=help_text)
+        options["type"] = annotation
+    group.add_argument(flag, *ALIASES.get(field.name, ()), **options)
+    if "_" in field.name:  # the field's own name works too, without a line in --help
+        group.add_argument("--" + field.name, **{**options, "default": argparse.SUPPRESS,
+                                                 "help": argparse.SUPPRESS})
+
+
+def _add_train_command(commands) -> None:
+    parser = commands.add_parser(
+        "train", help="train (or --resume) a model", description=TrainConfig.__doc__,
+        epilog="Each option sets the TrainConfig field of its name (--max-iters: max_iters); "
+               "'none' sets an optional one to None.")
+    groups = {title: parser.add_argument_group(title) for title in TRAIN_GROUPS}
+    group_of = {name: title for title, names in TRAIN_GROUPS.items() for name in names}
+    hints = typing.get_type_hints(TrainConfig)
+    for field in fields(TrainConfig):
+        _add_field(groups[group_of[field.name]], field, hints[field.name])
+    groups["runtime"].add_argument("--quiet", action="store_true",
+                                   help="no progress bar, only the final line")
+
+
+def _add_sample_command(commands) -> None:
+    parser = commands.add_parser("sample", help="generate text from a checkpoint",
+                                 description="Continue a prompt with a trained model.")
+
+    def option(flag, default, text, **options):
+        parser.add_argument(flag, default=default, help=_help(text, flag, default), **options)
+
+    parser.add_argument("--checkpoint", required=True,
+                        help="the out_dir of a training run, where its checkpoint is")
+    option("--prompt", "\n", "text to continue")
+    option("--max-new-tokens", 200, "number of tokens to generate", type=int)
+    option("--temperature", 1.0, "divides the logits: below 1 sharpens the distribution, "
+           "above 1 flattens it", type=float)
+    option("--top-k", None, "sample from the k most likely tokens only; none: from all",
+           type=_optional(int))
+    option("--top-p", None, "sample from the fewest most likely tokens whose probabilities add "
+           "up to p (nucleus sampling); none: from all", type=_optional(float))
+    option("--seed", 0, "seed of the sampling", type=int)
+    option("--backend", "torch", "where the arithmetic runs", choices=("numpy", "torch"))
+    option("--device", None, "torch device: cpu, cuda, cuda:1, mps...; none: cpu")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gptlab",
                                      description="Train a GPT and sample from it.")
     commands = parser.add_subparsers(dest="command", required=True)
-
-    train_parser = commands.add_parser("train", help="train (or --resume) a model",
-                                       description=TrainConfig.__doc__)
-    hints = typing.get_type_hints(TrainConfig)
-    for field in fields(TrainConfig):
-        default = field.default if field.default is not MISSING else field.default_factory()
-        _add_field(train_parser, field.name, hints[field.name], default)
-    train_parser.add_argument("--quiet", action="store_true", help="no progress bar")
-
-    sample = commands.add_parser("sample", help="generate text from a checkpoint")
-    sample.add_argument("--checkpoint", required=True, help="a training out_dir")
-    sample.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    sample.add_argument("--max-new-tokens", type=int, default=200)
-    sample.add_argument("--temperature", type=float, default=1.0)
-    sample.add_argument("--top-k", type=int, default=None)
-    sample.add_argument("--top-p", type=float, default=None)
-    sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--backend", choices=("numpy", "torch"), default="torch")
-    sample.add_argument("--device", default=None)
+    _add_train_command(commands)
+    _add_sample_command(commands)
     return parser
 
 
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig that parsed ``train`` arguments describe."""
+    return TrainConfig(**{field.name: getattr(args, field.name) for field in fields(TrainConfig)})
+
+
 def run_train(args: argparse.Namespace) -> int:
-    cfg = TrainConfig(**{field.name: getattr(args, field.name) for field in fields(TrainConfig)})
     try:
-        result = train(cfg, progress=not args.quiet)
+        result = train(config_from_args(args), progress=not args.quiet)
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -105,4 +159,4 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "config_from_args", "main", "TRAIN_GROUPS"]

@@ -34,8 +34,8 @@ HF_PREFIX = "transformer."
 HF_HEAD = "lm_head.weight"
 HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # the causal mask, not parameters
 HF_REQUIRED = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")
-GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}
-GELU_FROM_HF = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+GELU_TO_HF = {"tanh": "gelu_new", "erf": "gelu"}
+GELU_FROM_HF = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
 
 _BLOCK = "|".join(re.escape(name) for name in BLOCK_PARAM_NAMES)
 _OUR_NAME = re.compile(rf"wte\.weight|wpe\.weight|ln_f\.(weight|bias)|h\.\d+\.({_BLOCK})")

@@ -140,7 +140,7 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
         seed = None if not training else dropout_seed + 2 * (layer + 1)
         x, block_cache = block_forward(
             x, block_params(params, layer), n_head=cfg.n_head, ln_order=cfg.ln_order,
-            gelu=cfg.gelu, eps=cfg.layer_norm_epsilon, dropout=cfg.dropout, seed=seed,
+            gelu=cfg.gelu_approximate, eps=cfg.layer_norm_epsilon, dropout=cfg.dropout, seed=seed,
         )  # (B, T, C)
         cache["blocks"].append(block_cache)
     xf, cache["ln_f"] = layernorm_forward(

@@ -95,7 +95,8 @@ def _block_step(x, p, k_past, v_past, cfg: GPTConfig):
 
     def mlp(z):
         return mlp_forward(z, p["mlp.c_fc.weight"], p.get("mlp.c_fc.bias"), p["mlp.c_proj.weight"],
-                           p.get("mlp.c_proj.bias"), approximate=cfg.gelu)[0]  # fmt: skip
+                           p.get("mlp.c_proj.bias"),
+                           approximate=cfg.gelu_approximate)[0]  # fmt: skip
 
     if cfg.ln_order == "pre":
         a, k, v = _attention_step(ln(x, "ln_1"), p, k_past, v_past, n_head=cfg.n_head)  # (B,Tn,C)

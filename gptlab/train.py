@@ -24,14 +24,14 @@ import csv
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from .checkpoint import STATE_FILE, load_checkpoint, read_state, save_checkpoint
-from .config import GPTConfig
+from .config import GELU_ALIASES, GELU_FORMS, GPTConfig
 from .data import EMBEDDED, get_batch, load_text, split_train_val
 from .model import gpt_forward, init_params, loss_and_grads
 from .optim import SGD, AdamW, matrices_and_positions, matrices_only
@@ -46,72 +46,101 @@ class TrainingDiverged(RuntimeError):
     """The loss (or the gradient norm) stopped being finite; the last checkpoint is untouched."""
 
 
+def setting(default, description: str, *, choices: tuple | None = None,
+            aliases: dict | None = None):
+    """A TrainConfig field that carries its own description (the --help text of its option).
+    ``choices``: the only values allowed (TrainConfig checks them, --help lists them);
+    ``aliases``: other accepted spellings, each mapped to one of the choices."""
+    return field(default=default, metadata={"help": description, "choices": choices,
+                                            "aliases": aliases or {}})
+
+
 @dataclass
 class TrainConfig:
     """Everything a training run depends on. The defaults train a small character-level model
     (0.8 M parameters) on the embedded corpus (Python's reference text) to a validation loss of
-    about 1.95 nats per character in about a minute of CPU time (torch backend)."""
+    about 1.95 nats per character in about a minute of CPU time (torch backend). Each field's
+    description is the help of its command-line option."""
 
-    # model (the vocabulary size comes from the tokenizer); gelu "tanh" (GPT-2) or "none" (the
-    # exact erf form, nanoGPT's); bias=False drops every linear and LayerNorm bias (nanoGPT's)
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 64
-    gelu: str = "tanh"
-    bias: bool = True
-    dropout: float = 0.0
-    # where the arithmetic runs: "numpy" | "torch" (hand-written backward) | "autograd" (torch
-    # reference model + autograd); device for torch ("cpu", "cuda", ...; None = "cpu")
-    backend: str = "torch"
-    device: str | None = None
-    dtype: str = "float32"
-    # data: a UTF-8 text file, None = the embedded corpus; the last val_fraction is validation
-    data: str | None = None
-    # tokenizer: "char" (one id per character of the corpus) or "bpe" (byte-level BPE learned
-    # from the training part of the corpus, vocab_size ids); tokenizer_path loads a saved one
-    tokenizer: str = "char"
-    vocab_size: int = 512
-    tokenizer_path: str | None = None
-    val_fraction: float = 0.1
-    batch_size: int = 12
-    # optimisation: "adamw" | "sgd" (momentum, L2 weight_decay); schedule "cosine" (decays to
-    # min_lr at lr_decay_iters, None = max_iters) | "inverse_sqrt" | "constant"
-    max_iters: int = 500
-    optimizer: str = "adamw"
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    lr_schedule: str = "cosine"
-    warmup_iters: int = 20
-    lr_decay_iters: int | None = None
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    momentum: float = 0.9
-    decay_position_embeddings: bool = False
-    grad_clip: float = 1.0  # 0 = no clipping
+    # model (the vocabulary size comes from the tokenizer)
+    n_layer: int = setting(4, "number of transformer blocks")
+    n_head: int = setting(4, "attention heads per block; they split n_embd evenly")
+    n_embd: int = setting(128, "width of the residual stream (channels per position)")
+    block_size: int = setting(64, "context length: the most tokens the model looks back on")
+    gelu: str = setting("tanh", "the MLP's GELU: tanh (GPT-2's approximation) or erf (the exact "
+                        "form, nanoGPT's; exact and none mean erf too)",
+                        choices=GELU_FORMS, aliases=GELU_ALIASES)
+    bias: bool = setting(True, "biases in every linear layer and LayerNorm (GPT-2 has them; "
+                         "nanoGPT's --no-bias drops them)")
+    dropout: float = setting(0.0, "dropout rate in training, in [0, 1)")
+    # data
+    data: str | None = setting(None, "UTF-8 text file to train on; none: the embedded corpus")
+    tokenizer: str = setting("char", "char: one id per character of the corpus; bpe: byte-level "
+                             "BPE learned from the training part", choices=("char", "bpe"))
+    vocab_size: int = setting(512, "vocabulary size of the bpe tokenizer")
+    tokenizer_path: str | None = setting(None, "a saved tokenizer (tokenizer.json) to use; "
+                                         "none: build one from the corpus")
+    val_fraction: float = setting(0.1, "the last fraction of the text, held out for validation")
+    batch_size: int = setting(12, "sequences per update")
+    # optimisation
+    optimizer: str = setting("adamw", "adamw, or sgd with momentum", choices=("adamw", "sgd"))
+    lr: float = setting(3e-3, "peak learning rate")
+    weight_decay: float = setting(0.1, "weight decay of the matrices (decoupled in adamw, "
+                                  "L2 in sgd)")
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW's decay rates of the first and "
+                                         "second moments")
+    eps: float = setting(1e-8, "AdamW's epsilon, added to the root of the second moment")
+    momentum: float = setting(0.9, "SGD's momentum coefficient (0: plain SGD)")
+    decay_position_embeddings: bool = setting(False, "decay the learned position table too "
+                                              "(today's nanoGPT does; minGPT did not)")
+    grad_clip: float = setting(1.0, "clip the gradient's global norm to this (0: no clipping)")
+    # schedule
+    max_iters: int = setting(500, "number of updates")
+    lr_schedule: str = setting("cosine", "cosine: warmup, then down to min_lr at lr_decay_iters; "
+                               "inverse_sqrt: warmup, then lr * (warmup_iters / t)^0.5; "
+                               "constant: lr throughout", choices=SCHEDULES)
+    warmup_iters: int = setting(20, "updates of linear warmup from 0 to lr")
+    min_lr: float = setting(3e-4, "the cosine's final learning rate")
+    lr_decay_iters: int | None = setting(None, "update at which the cosine reaches min_lr; "
+                                         "none: max_iters")
     # evaluation (mean loss over eval_iters batches per split), logs, checkpoints
-    eval_interval: int = 100
-    eval_iters: int = 10
-    log_format: str = "csv"
-    out_dir: str = "runs/gptlab"
-    checkpoint_interval: int = 100  # 0 = only at the end
-    resume: bool = False
-    seed: int = 1337
+    eval_interval: int = setting(100, "evaluate every this many updates (and after the last)")
+    eval_iters: int = setting(10, "batches per split in each evaluation")
+    log_format: str = setting("csv", "format of the loss log out_dir/log.csv or log.jsonl",
+                              choices=("csv", "jsonl"))
+    out_dir: str = setting("runs/gptlab", "folder of the loss log and the checkpoint")
+    checkpoint_interval: int = setting(100, "write a checkpoint every this many updates "
+                                       "(0: only after the last)")
+    resume: bool = setting(False, "continue the run checkpointed in out_dir")
+    # runtime
+    backend: str = setting("torch", "numpy or torch: the hand-written backward; autograd: the "
+                           "torch reference model and loss.backward()",
+                           choices=("numpy", "torch", "autograd"))
+    device: str | None = setting(None, "torch device: cpu, cuda, cuda:1, mps...; none: cpu")
+    dtype: str = setting("float32", "floating-point type of the parameters and activations",
+                         choices=("float32", "float64"))
+    threads: int | None = setting(None, "CPU threads torch uses during the run; none: torch's "
+                                  "default")
+    seed: int = setting(1337, "seed of the initialisation, the batches and dropout")
 
     def __post_init__(self):
         self.betas = tuple(float(b) for b in self.betas)  # JSON gives a list
-        choices = {"backend": ("numpy", "torch", "autograd"), "dtype": ("float32", "float64"),
-                   "optimizer": ("adamw", "sgd"), "lr_schedule": SCHEDULES,
-                   "tokenizer": ("char", "bpe"),
-                   "log_format": ("csv", "jsonl")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"TrainConfig.{name} must be one of {allowed}, "
-                                 f"got {getattr(self, name)!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, str):
+                value = f.metadata["aliases"].get(value, value)
+                setattr(self, f.name, value)
+            allowed = f.metadata["choices"]
+            if allowed is not None and value not in allowed:
+                raise ValueError(f"TrainConfig.{f.name} must be one of {allowed}, got {value!r}")
         for name in ("batch_size", "max_iters", "eval_interval", "eval_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
+            raise ValueError(f"TrainConfig.threads must be None or >= 1, got {self.threads!r}")
+        if self.backend == "numpy" and self.threads is not None:
+            raise ValueError("TrainConfig.threads sets torch's thread count; the numpy backend "
+                             "takes its threads from the environment (OMP_NUM_THREADS)")
         if self.backend == "numpy" and self.device not in (None, "cpu"):
             raise ValueError(f"the numpy backend runs on the CPU only, got device {self.device!r}")
         if self.backend == "autograd" and self.dropout > 0.0:
@@ -236,10 +265,25 @@ def plot_losses(source, ax=None):
 
 def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     """Train (or, with ``cfg.resume``, continue) a GPT as ``cfg`` says; see the module docstring.
+    With ``cfg.threads``, torch runs on that many CPU threads, and on its previous count after.
 
     Raises TrainingDiverged when the loss or gradient norm is not finite, before the update is
     applied, so the last checkpoint on disk stays the last good one.
     """
+    if cfg.threads is None:
+        return _train(cfg, progress)
+    import torch
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg, progress)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _train(cfg: TrainConfig, progress: bool) -> TrainResult:
+    """The run of ``train``, on the threads torch has now."""
     out_dir = Path(cfg.out_dir)
     log_path = out_dir / f"log.{cfg.log_format}"
     text = load_text(cfg.data)

@@ -77,10 +77,10 @@ def reference_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, traini
         h = f"h.{layer}."
         if cfg.ln_order == "pre":
             x = x + _attention(ln(x, h + "ln_1"), params, h + "attn.", cfg.n_head)  # (B, T, C)
-            x = x + _mlp(ln(x, h + "ln_2"), params, h + "mlp.", cfg.gelu)  # (B, T, C)
+            x = x + _mlp(ln(x, h + "ln_2"), params, h + "mlp.", cfg.gelu_approximate)  # (B, T, C)
         else:
             x = ln(x + _attention(x, params, h + "attn.", cfg.n_head), h + "ln_1")  # (B, T, C)
-            x = ln(x + _mlp(x, params, h + "mlp.", cfg.gelu), h + "ln_2")  # (B, T, C)
+            x = ln(x + _mlp(x, params, h + "mlp.", cfg.gelu_approximate), h + "ln_2")  # (B, T, C)
     logits = ln(x, "ln_f") @ wte.T  # (B, T, V)
     loss = None
     if targets is not None:
