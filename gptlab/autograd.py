@@ -3,8 +3,9 @@
 ``as_function(forward, backward)`` turns a layer pair into a function of torch tensors whose
 ``.backward()`` runs OUR backward, so any torch optimizer (on CPU or CUDA) is driven by the
 formulas of the book. Every layer of ``gptlab.layers`` comes ready-wrapped under its own name
-(``linear``, ``layernorm``, ..., ``block``, ``cross_entropy``). ``gpt_loss`` / ``gpt_logits`` and
-the ``GPT`` module do the same for the whole model, through ``gpt_forward`` / ``gpt_backward``.
+(``linear``, ``layernorm``, ..., ``sdpa``, ``block``, ``cross_entropy``); a boolean input (the
+mask of ``sdpa``) gets no gradient, like an integer one. ``gpt_loss`` / ``gpt_logits`` and the
+``GPT`` module do the same for the whole model, through ``gpt_forward`` / ``gpt_backward``.
 
 The layer's cache (which holds the input tensors themselves) is kept on ``ctx`` rather than in
 ``ctx.save_for_backward``: do not modify an input in place between forward and backward.
@@ -107,8 +108,8 @@ def as_function(forward, backward):
 
 
 LAYERS = ("linear", "layernorm", "gelu", "relu", "softmax", "dropout", "embedding",
-          "position_learned", "position_sinusoidal", "attention", "attention_single", "mlp",
-          "block", "cross_entropy")  # fmt: skip
+          "position_learned", "position_sinusoidal", "sdpa", "attention", "attention_single",
+          "mlp", "block", "cross_entropy")  # fmt: skip
 
 
 def _wrap(name: str):

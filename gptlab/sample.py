@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import (
-    array_device,
     array_namespace,
     asarray_like,
     make_generator,
@@ -39,6 +38,7 @@ from .layers.layernorm import layernorm_forward
 from .layers.linear import linear_forward
 from .layers.mlp import mlp_forward
 from .layers.position_sinusoidal import sinusoidal_encoding
+from .layers.sdpa import sdpa_forward
 from .layers.softmax import softmax_forward
 from .model import block_params, check_params, gpt_forward
 
@@ -64,24 +64,17 @@ def _attention_step(x, p, k_past, v_past, *, n_head: int):
 
     x (B, Tn, C) the new positions (already layer-normed for pre-LN), k_past / v_past
     (B, NH, Tp, hs) or None -> (y (B, Tn, C), k (B, NH, Tp+Tn, hs), v (B, NH, Tp+Tn, hs)).
-    New query j sits at absolute position Tp + j and may see keys i <= Tp + j.
+    New query j sits at absolute position Tp + j and may see keys i <= Tp + j: the causal
+    alignment of ``sdpa_forward``, which puts the Tn queries at the end of the Tp + Tn keys.
     """
     xp = array_namespace(x)
-    C = x.shape[-1]
-    hs = C // n_head
     qkv, _ = linear_forward(x, p["attn.c_attn.weight"], p.get("attn.c_attn.bias"))  # (B, Tn, 3C)
     q, k, v = split_qkv(qkv, n_head)  # (B, NH, Tn, hs) each
     if k_past is not None:
         k = xp.concat([k_past, k], axis=2)  # (B, NH, T, hs), T = Tp + Tn
         v = xp.concat([v_past, v], axis=2)  # (B, NH, T, hs)
-    Tn, T = x.shape[1], k.shape[2]
-    scores = q @ k.mT / math.sqrt(hs)  # (B, NH, Tn, T)
-    query_pos = xp.arange(T - Tn, T, device=array_device(x))  # (Tn,) absolute positions
-    key_pos = xp.arange(T, device=array_device(x))  # (T,)
-    visible = key_pos[None, :] <= query_pos[:, None]  # (Tn, T) causal mask
-    scores = xp.where(visible, scores, -math.inf)  # (B, NH, Tn, T)
-    att, _ = softmax_forward(scores, axis=-1)  # (B, NH, Tn, T)
-    heads = merge_heads(att @ v)  # (B, Tn, C)
+    out, _ = sdpa_forward(q, k, v, causal=True)  # (B, NH, Tn, hs), query j sees keys <= Tp + j
+    heads = merge_heads(out)  # (B, Tn, C)
     y, _ = linear_forward(heads, p["attn.c_proj.weight"], p.get("attn.c_proj.bias"))  # (B, Tn, C)
     return y, k, v
 

@@ -132,3 +132,15 @@ def cuda_backend() -> Backend:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     return get_backend("torch", device="cuda")
+
+
+def random_attention_mask(rng: np.random.Generator, shape: tuple, keep: float = 0.5) -> np.ndarray:
+    """A random boolean attention mask (..., Tq, Tk), True = may attend, in which query i always
+    keeps key i + Tk - Tq (its own position when the queries are the last Tq of the Tk positions;
+    key 0 for the first Tq - Tk queries when Tq > Tk), so that no row is empty, with or without
+    ``causal=True``."""
+    mask = rng.random(shape) < keep
+    Tq, Tk = shape[-2:]
+    rows = np.arange(Tq)
+    mask[..., rows, np.maximum(rows + Tk - Tq, 0)] = True
+    return mask

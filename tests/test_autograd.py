@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import random_attention_mask
 from gptlab import GPTConfig, gpt_backward, gpt_forward, init_params, param_shapes
 from gptlab import autograd as ag
 from gptlab.layers.block import block_param_shapes
@@ -36,6 +37,9 @@ CASES = [
     ("position_sinusoidal", lambda r: (r.normal(size=(2, 3, C)),), {}),
     ("attention", lambda r: (r.normal(size=(2, 3, C)), r.normal(size=(C, 3 * C)), r.normal(size=3 * C),
                              r.normal(size=(C, C)), r.normal(size=C)), {"n_head": 2}),
+    ("sdpa", lambda r: (*r.normal(size=(3, 2, 2, 3, C)),), {"causal": True}),
+    ("sdpa", lambda r: (r.normal(size=(2, 2, 3, C)), r.normal(size=(2, 1, 5, C)), r.normal(size=(2, 1, 5, 3)),
+                        random_attention_mask(r, (2, 1, 3, 5))), {"causal": True, "scale": 0.5}),
     ("attention_single", lambda r: (r.normal(size=(2, C, 3)), *r.normal(size=(3, 2, C))), {"causal": True}),
     ("mlp", lambda r: (r.normal(size=(2, 3, C)), r.normal(size=(C, 4 * C)), r.normal(size=4 * C),
                        r.normal(size=(4 * C, C)), r.normal(size=C)), {"approximate": "tanh"}),
@@ -115,6 +119,17 @@ def test_integer_inputs_get_no_grad_and_float_inputs_do():
     wte = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     ag.embedding(idx, wte).sum().backward()
     assert wte.grad[2].tolist() == [2.0, 2.0, 2.0] and wte.grad[0].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_sdpa_mask_gets_no_grad_and_may_be_a_keyword():
+    rng = np.random.default_rng(0)
+    q, k, v = to_torch([rng.normal(size=(2, 3, C)), rng.normal(size=(2, 4, C)),
+                        rng.normal(size=(2, 4, 2))], "cpu")  # fmt: skip
+    mask = torch.as_tensor(random_attention_mask(rng, (3, 4)))
+    out = ag.sdpa(q, k, v, mask, causal=True)
+    assert torch.equal(out, ag.sdpa(q, k, v, mask=mask, causal=True))
+    out.sum().backward()
+    assert mask.grad is None and all(t.grad is not None for t in (q, k, v))
 
 
 def test_wrapped_layer_rejects_numpy_arrays():

@@ -23,6 +23,7 @@ from gptlab.layers.mlp import mlp_forward
 from gptlab.layers.position_learned import position_learned_forward
 from gptlab.layers.position_sinusoidal import position_sinusoidal_forward
 from gptlab.layers.relu import relu_forward
+from gptlab.layers.sdpa import sdpa_forward
 from gptlab.layers.softmax import softmax_forward
 
 B, T, C, NH, V = 2, 3, 4, 2, 5
@@ -80,6 +81,8 @@ def test_attention_weights_must_match_width(F):
 def test_attention_input_must_be_three_dimensional(F):
     with pytest.raises(ValueError, match=re.escape("x must have shape (B, T, C), got (3, 4)")):
         attention_forward(F(T, C), F(C, 3 * C), F(3 * C), F(C, C), F(C), n_head=NH)
+    with pytest.raises(ValueError, match=re.escape("qkv must have shape (B, T, 3C), got (3, 12)")):
+        multihead_forward(F(T, 3 * C), n_head=NH)
 
 
 def test_attention_width_must_split_into_heads(F):
@@ -96,6 +99,72 @@ def test_attention_single_weights_must_match(F):
         attention_single_forward(F(C, T), F(3, C), F(3, C), F(2, C))
     with pytest.raises(ValueError, match="X must have at least 2 dimensions"):
         attention_single_forward(F(C), F(3, C), F(3, C), F(3, C))
+
+
+def test_sdpa_shapes_must_match(F):
+    with pytest.raises(ValueError, match=re.escape("k has head size 4 but q has 3")):
+        sdpa_forward(F(B, NH, T, 3), F(B, NH, T, 4), F(B, NH, T, 3))
+    with pytest.raises(ValueError, match=re.escape("v has 2 positions but k has 3")):
+        sdpa_forward(F(B, NH, T, 3), F(B, NH, T, 3), F(B, NH, 2, 3))
+    message = "the leading dims of q (2, 2, 3, 3), k (2, 3, 3, 3) and v (2, 3, 3, 3) do not broadcast"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sdpa_forward(F(B, NH, T, 3), F(B, 3, T, 3), F(B, 3, T, 3))
+    with pytest.raises(ValueError, match="q must have at least 2 dimensions"):
+        sdpa_forward(F(3), F(T, 3), F(T, 3))
+
+
+@pytest.mark.parametrize("mask_shape", [(T, T + 1), (2, T, T), (B, NH, T, T, 1), (3, 1, T, T)])
+def test_sdpa_mask_must_broadcast_to_the_weights(F, backend, mask_shape):
+    """A mask that does not broadcast, or that would grow the weights, is refused by shape."""
+    mask = backend.asarray(np.ones(mask_shape, dtype=bool))
+    message = (f"mask has shape {mask_shape}, which does not broadcast to the attention weights' "
+               f"shape (..., Tq, Tk) = ({B}, 1, {T}, {T})")  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sdpa_forward(F(B, 1, T, 3), F(B, 1, T, 3), F(B, 1, T, 3), mask)
+
+
+@pytest.mark.parametrize("values", [np.ones((T, T)), np.ones((T, T), dtype=np.int64)])
+def test_sdpa_mask_must_be_boolean(F, backend, values):
+    with pytest.raises(TypeError, match="mask must be a boolean array .*, got dtype"):
+        sdpa_forward(F(T, 3), F(T, 3), F(T, 3), backend.asarray(values))
+
+
+def test_sdpa_mask_must_be_an_array(F):
+    with pytest.raises(TypeError, match="mask must be a boolean array .*, got bool"):
+        sdpa_forward(F(T, 3), F(T, 3), F(T, 3), True)
+
+
+def test_sdpa_names_the_query_row_that_sees_no_key(F, backend):
+    mask = np.ones((B, 1, T, T + 1), dtype=bool)
+    mask[1, 0, 2] = False
+    message = "query row 2 (mask's leading index (1, 0)) can see no key: the mask hides every key"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sdpa_forward(F(B, NH, T, 3), F(B, NH, T + 1, 3), F(B, NH, T + 1, 3), backend.asarray(mask))
+    # each alone leaves a key, the two together none: key 3 only, and causal allows keys <= 1
+    mask = np.zeros((T, T + 1), dtype=bool)
+    mask[:, 3] = True
+    message = "query row 0 can see no key: the mask and causal=True together hide every key"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sdpa_forward(F(T, 3), F(T + 1, 3), F(T + 1, 3), backend.asarray(mask), causal=True)
+
+
+def test_sdpa_causal_needs_a_key_for_every_query(F):
+    with pytest.raises(ValueError, match="query row 0 can see no key: causal=True aligns the 3 "
+                                         "queries with the last of the 2 keys, so the first 1"):
+        sdpa_forward(F(T, 3), F(2, 3), F(2, 3), causal=True)
+    with pytest.raises(ValueError, match=r"query row 0 can see no key: k and v have no positions"):
+        sdpa_forward(F(T, 3), F(0, 3), F(0, 3))
+    with pytest.raises(ValueError, match="causal must be True or False, got 'yes'"):
+        sdpa_forward(F(T, 3), F(T, 3), F(T, 3), causal="yes")
+
+
+def test_sdpa_dtypes_must_match(backend):
+    rng = np.random.default_rng(0)
+    b64, b32 = backend, get_backend(backend.name, "float32")
+    with pytest.raises(TypeError, match="q has dtype .*float64 but k has dtype .*float32"):
+        sdpa_forward(b64.randn(rng, T, 3), b32.randn(rng, T, 3), b64.randn(rng, T, 3))
+    with pytest.raises(TypeError, match="q has dtype .*float32 but v has dtype .*float64"):
+        sdpa_forward(b32.randn(rng, T, 3), b32.randn(rng, T, 3), b64.randn(rng, T, 3))
 
 
 def test_mlp_weights_must_chain(F):
@@ -144,6 +213,9 @@ def test_block_ln_order_is_checked(F):
         ("x", lambda F, i: dropout_forward(i, p=0.1, seed=0)),
         ("x", lambda F, i: attention_forward(i, F(C, 3 * C), F(3 * C), F(C, C), F(C), n_head=NH)),
         ("qkv", lambda F, i: multihead_forward(F.int(3, B, T, 3 * C), n_head=NH)),
+        ("q", lambda F, i: sdpa_forward(i, F(B, T, C), F(B, T, C))),
+        ("k", lambda F, i: sdpa_forward(F(B, T, C), i, F(B, T, C))),
+        ("v", lambda F, i: sdpa_forward(F(B, T, C), F(B, T, C), i)),
         ("X", lambda F, i: attention_single_forward(F.int(3, C, T), F(3, C), F(3, C), F(3, C))),
         ("logits", lambda F, i: cross_entropy_forward(F.int(3, B, T, V), F.int(V, B, T))),
         ("wte", lambda F, i: embedding_forward(F.int(V, B, T), F.int(3, V, C))),

@@ -6,7 +6,7 @@
 3. NumPy vs torch (and strict) parity of forward and backward, within 1e-12;
 
 plus a float32 torch sanity run per layer and the layer-specific facts (the softmax Jacobian,
-the dropout mask, the two attention backwards). Every layer is ONE row of ``CASES``.
+the dropout mask, the two attention backwards, sdpa against the GPT core and torch's SDPA). Every layer is ONE row of ``CASES``.
 """
 
 from __future__ import annotations
@@ -20,14 +20,25 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import AUTOGRAD_BACKENDS, BACKENDS, get_backend, requires_cuda, to_host
+from conftest import (
+    AUTOGRAD_BACKENDS,
+    BACKENDS,
+    get_backend,
+    random_attention_mask,
+    requires_cuda,
+    to_host,
+)
 from gptlab.backend import array_device
 from gptlab.gradcheck import GradcheckEntry, GradcheckResult, check_layer
 from gptlab.layers.attention import (
     attention_backward,
     attention_forward,
+    causal_mask_rows,
+    merge_heads,
     multihead_backward,
     multihead_forward,
+    split_heads,
+    split_qkv,
 )
 from gptlab.layers.attention_single import (
     attention_single_backward,
@@ -53,6 +64,7 @@ from gptlab.layers.position_sinusoidal import (
     position_sinusoidal_forward,
 )
 from gptlab.layers.relu import relu_backward, relu_forward
+from gptlab.layers.sdpa import sdpa_backward, sdpa_forward
 from gptlab.layers.softmax import softmax_backward, softmax_forward, softmax_jacobian
 
 B, T, C, NH, V, BLOCK_SIZE, HS = 2, 3, 4, 2, 5, 5, 3  # tiny shapes: batch, time, width, ...
@@ -119,6 +131,21 @@ def _attention_single_args(*batch):
     return make
 
 
+def _sdpa_args(q_lead, Tq, Tk, *, kv_lead=None, hv=HS, mask_lead=None):
+    """q (*q_lead, Tq, HS), k (*kv_lead, Tk, HS), v (*kv_lead, Tk, hv) and, when ``mask_lead`` is
+    given, a random boolean mask (*mask_lead, Tq, Tk) in which every query keeps a key."""
+    kv_lead = q_lead if kv_lead is None else kv_lead
+
+    def make(rng):
+        q, k = _normal(rng, *q_lead, Tq, HS), _normal(rng, *kv_lead, Tk, HS)
+        v = _normal(rng, *kv_lead, Tk, hv)
+        if mask_lead is None:
+            return q, k, v
+        return q, k, v, random_attention_mask(rng, (*mask_lead, Tq, Tk))
+
+    return make
+
+
 def _mlp_args(rng):
     return (_normal(rng, B, T, C), _normal(rng, C, 4 * C), _normal(rng, 4 * C),
             _normal(rng, 4 * C, C), _normal(rng, C))  # fmt: skip
@@ -170,6 +197,20 @@ CASES = [
          {"n_head": NH, "causal": False}),
     Case("attention_causal", attention_forward, attention_backward, _attention_args,
          {"n_head": NH, "causal": True}),
+    Case("sdpa", sdpa_forward, sdpa_backward, _sdpa_args((B, NH), T, T), {"causal": False}),
+    Case("sdpa_causal", sdpa_forward, sdpa_backward, _sdpa_args((B, NH), T, T), {"causal": True}),
+    Case("sdpa_T1", sdpa_forward, sdpa_backward, _sdpa_args((B, NH), 1, 1), {"causal": True}),
+    Case("sdpa_Tq_lt_Tk_causal_hv", sdpa_forward, sdpa_backward,
+         _sdpa_args((B, NH), 2, 4, hv=2), {"causal": True}),
+    Case("sdpa_Tq_gt_Tk_mask", sdpa_forward, sdpa_backward,
+         _sdpa_args((B, NH), 4, 2, mask_lead=(B, NH)), {"causal": False}),
+    Case("sdpa_mask_causal", sdpa_forward, sdpa_backward,
+         _sdpa_args((B, NH), 3, 4, mask_lead=(B, NH)), {"causal": True}),
+    Case("sdpa_broadcast", sdpa_forward, sdpa_backward,
+         _sdpa_args((B, NH), 3, 4, kv_lead=(B, 1), hv=2, mask_lead=(1,)), {"causal": True}),
+    Case("sdpa_lead3_scale", sdpa_forward, sdpa_backward,
+         _sdpa_args((2, 1, 2), T, T, kv_lead=(2, 2, 1), mask_lead=()), {"scale": 0.3}),
+    Case("sdpa_no_lead", sdpa_forward, sdpa_backward, _sdpa_args((), 3, 4, hv=1), {"causal": True}),
     Case("mlp", mlp_forward, mlp_backward, _mlp_args, {"approximate": "tanh"}),
     Case("block_pre", block_forward, block_backward,
          lambda rng: (_normal(rng, B, T, C), _block_params(rng)), {"n_head": NH, "ln_order": "pre"}),
@@ -535,6 +576,66 @@ def test_attention_matches_torch_sdpa(backend, rng):
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
         np.testing.assert_allclose(to_host(y), ref.transpose(1, 2).reshape(B, T, C).numpy(),
                                    rtol=1e-12, atol=1e-13)  # fmt: skip
+
+
+def _softmax_rows(scores):
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def test_sdpa_with_a_causal_mask_is_the_gpt_attention_core(backend, rng):
+    """The GPT core (multihead_forward, causal=True) equals sdpa on its heads with the lower
+    triangle passed as an explicit mask (the mask path, not the causal one), and both equal the
+    core's former lines written out in NumPy; the backward agrees with multihead_backward."""
+    qkv_host = rng.standard_normal((B, T, 3 * C))
+    qkv = backend.asarray(qkv_host)
+    y, core_cache = multihead_forward(qkv, n_head=NH, causal=True)  # (B, T, C)
+    q, k, v = split_qkv(qkv, NH)  # (B, NH, T, hs) each
+    heads, cache = sdpa_forward(q, k, v, causal_mask_rows(T, qkv))  # (B, NH, T, hs)
+    np.testing.assert_allclose(to_host(merge_heads(heads)), to_host(y), rtol=1e-14, atol=1e-15)
+    qh, kh, vh = (np.swapaxes(a.reshape(B, T, NH, C // NH), 1, 2)
+                  for a in np.split(qkv_host, 3, axis=-1))  # fmt: skip
+    scores = qh @ np.swapaxes(kh, -1, -2) / math.sqrt(C // NH)  # (B, NH, T, T)
+    att = _softmax_rows(np.where(np.tri(T, dtype=bool), scores, -np.inf))  # (B, NH, T, T)
+    written_out = np.swapaxes(att @ vh, 1, 2).reshape(B, T, C)  # (B, T, C)
+    np.testing.assert_allclose(to_host(y), written_out, rtol=1e-13, atol=1e-14)
+    dy = backend.randn(rng, B, T, C)
+    (dqkv,) = multihead_backward(dy, core_cache)
+    grads = sdpa_backward(split_heads(dy, NH), cache)  # dq, dk, dv (B, NH, T, hs)
+    expected = np.concatenate([to_host(merge_heads(g)) for g in grads], axis=-1)  # (B, T, 3C)
+    np.testing.assert_allclose(to_host(dqkv), expected, rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize("Tq, Tk, causal, masked, scale", [
+    (3, 3, False, False, None), (3, 3, True, False, None), (2, 4, True, False, None),
+    (3, 4, False, True, 0.7), (3, 3, True, True, None), (2, 4, True, True, 2.0)])  # fmt: skip
+def test_sdpa_matches_torch_sdpa(backend, Tq, Tk, causal, masked, scale):
+    """Forward and the gradients of q, k, v against torch's scaled_dot_product_attention and its
+    autograd. torch's ``is_causal`` aligns the triangle top-left and takes no ``attn_mask``: it
+    serves Tq == Tk without a mask; otherwise our end-aligned triangle goes into ``attn_mask``."""
+    rng = np.random.default_rng(10 * Tq + Tk)
+    q, k, v = (rng.standard_normal(shape) for shape in ((B, NH, Tq, HS), (B, NH, Tk, HS),
+                                                         (B, NH, Tk, 2)))  # fmt: skip
+    mask = random_attention_mask(rng, (B, 1, Tq, Tk)) if masked else None
+    dout = rng.standard_normal((B, NH, Tq, 2))
+    out, cache = sdpa_forward(*map(backend.asarray, (q, k, v)),
+                              None if mask is None else backend.asarray(mask),
+                              causal=causal, scale=scale)  # fmt: skip
+    grads = sdpa_backward(backend.asarray(dout), cache)
+
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    attn_mask = None if mask is None else torch.tensor(mask)
+    is_causal = causal and Tq == Tk and attn_mask is None
+    if causal and not is_causal:
+        triangle = torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq)  # key j <= i + Tk - Tq
+        attn_mask = triangle if attn_mask is None else attn_mask & triangle
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        tq, tk, tv, attn_mask=attn_mask, is_causal=is_causal, scale=scale)  # (B, NH, Tq, 2)
+    ref.backward(torch.tensor(dout))
+    np.testing.assert_allclose(to_host(out), ref.detach().numpy(), rtol=1e-12, atol=1e-13)
+    for name, grad, leaf in zip(("dq", "dk", "dv"), grads, (tq, tk, tv)):
+        np.testing.assert_allclose(to_host(grad), leaf.grad.numpy(), rtol=1e-11, atol=1e-12,
+                                   err_msg=name)  # fmt: skip
 
 
 def test_every_layer_module_is_in_the_table():

@@ -3,7 +3,9 @@ head size in 1..3. Gradients of the bigger pieces (attention, block, the whole G
 against torch autograd, which is cheap, and the whole GPT also against finite differences on a
 seeded subset of every parameter; small layers against finite differences in full. Plus the
 invariants: softmax rows sum to 1, causal attention never looks ahead, LayerNorm output has mean
-0 and variance ~1 per row.
+0 and variance ~1 per row; scaled dot-product attention over broadcast leading dims, Tq != Tk
+and random masks (hidden keys get weight 0, causal queries are the tail of full causal
+attention, broadcasting equals repeating, a query that sees no key is refused by name).
 
 Examples are few (``max_examples`` 10-15) and derandomized, so the run is short and the same
 every time.
@@ -19,7 +21,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from conftest import get_backend, to_host
+from conftest import get_backend, random_attention_mask, to_host
 from gptlab import GPTConfig, gpt_forward, init_params
 from gptlab.gradcheck import check_layer, check_model
 from gptlab.layers.attention import attention_forward, attention_backward
@@ -27,6 +29,7 @@ from gptlab.layers.attention_single import attention_single_forward
 from gptlab.layers.block import block_backward, block_forward, block_param_shapes
 from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
+from gptlab.layers.sdpa import causal_mask, sdpa_backward, sdpa_forward
 from gptlab.layers.softmax import softmax_forward
 
 TOL = 1e-7
@@ -105,6 +108,109 @@ def test_cross_entropy_backward_over_shapes(B, T, V, scale, seed):
     logits, targets = scale * rng.standard_normal((B, T, V)), rng.integers(0, V, size=(B, T))
     result = check_layer(cross_entropy_forward, cross_entropy_backward, logits, targets)
     result.assert_ok(TOL)
+
+
+sdpa_shapes = st.fixed_dictionaries({
+    "lead": st.lists(st.integers(1, 3), min_size=0, max_size=2), "Tq": st.integers(1, 4),
+    "extra_keys": st.integers(0, 2), "hs": st.integers(1, 3), "hv": st.integers(1, 3),
+    "causal": st.booleans(), "masked": st.booleans(), "seed": st.integers(0, 2**16),
+})  # fmt: skip
+
+
+def _sdpa_inputs(s):
+    """q (*lead, Tq, hs); k, v with Tk = Tq + extra_keys and some leading dims shrunk to 1 (they
+    broadcast); a random mask with a random subset of the leading dims, or None; the rng."""
+    rng = np.random.default_rng(s["seed"])
+    lead, Tq, Tk = tuple(s["lead"]), s["Tq"], s["Tq"] + s["extra_keys"]
+    kv_lead = tuple(1 if rng.random() < 0.5 else n for n in lead)
+    q, k = rng.standard_normal((*lead, Tq, s["hs"])), rng.standard_normal((*kv_lead, Tk, s["hs"]))
+    v = rng.standard_normal((*kv_lead, Tk, s["hv"]))
+    mask_lead = tuple(1 if rng.random() < 0.5 else n for n in lead)
+    mask_lead = mask_lead[rng.integers(0, len(lead) + 1) :]  # leading dims may be left out
+    mask = random_attention_mask(rng, (*mask_lead, Tq, Tk)) if s["masked"] else None
+    return q, k, v, mask, rng
+
+
+@fast()
+@given(s=sdpa_shapes)
+def test_sdpa_backward_over_shapes(s):
+    q, k, v, mask, _ = _sdpa_inputs(s)
+    args = (q, k, v) if mask is None else (q, k, v, mask)
+    for oracle in ("autograd", "finite_differences"):
+        check_layer(sdpa_forward, sdpa_backward, *args, causal=s["causal"],
+                    oracle=oracle).assert_ok(TOL)  # fmt: skip
+
+
+@fast()
+@given(s=sdpa_shapes, backend_name=st.sampled_from(["numpy", "torch", "strict"]))
+def test_sdpa_weights_sum_to_one_and_hidden_keys_get_none(s, backend_name):
+    """The output has the broadcast leading dims; every row of att sums to 1 and is exactly 0
+    where the mask or the causal triangle (key j > i + Tk - Tq) hides a key."""
+    backend = get_backend(backend_name)
+    q, k, v, mask, _ = _sdpa_inputs(s)
+    inputs = [backend.asarray(a) for a in (q, k, v)]
+    if mask is not None:
+        inputs.append(backend.asarray(mask))
+    out, (_, _, _, att, _, _) = sdpa_forward(*inputs, causal=s["causal"])
+    att = to_host(att)
+    lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    assert tuple(out.shape) == (*lead, s["Tq"], s["hv"])
+    np.testing.assert_allclose(att.sum(axis=-1), 1.0, rtol=0, atol=1e-12)
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    hidden = np.zeros((Tq, Tk), dtype=bool) if mask is None else ~mask
+    if s["causal"]:
+        hidden = hidden | ~np.tri(Tq, Tk, Tk - Tq, dtype=bool)
+    assert np.all(att[np.broadcast_to(hidden, att.shape)] == 0.0)
+    assert np.all(att[~np.broadcast_to(hidden, att.shape)] > 0.0)
+
+
+@fast()
+@given(s=sdpa_shapes)
+def test_sdpa_causal_queries_are_the_tail_of_full_causal_attention(s):
+    """causal=True with Tq < Tk (new queries against a KV cache) gives the last Tq rows of causal
+    attention of all Tk positions, whose queries are the cached ones followed by the new."""
+    _, k, v, _, rng = _sdpa_inputs(s)
+    Tq, Tk = s["Tq"], k.shape[-2]
+    q_all = rng.standard_normal((*k.shape[:-2], Tk, s["hs"]))  # (..., Tk, hs)
+    full, _ = sdpa_forward(q_all, k, v, causal=True)  # (..., Tk, hv)
+    tail, _ = sdpa_forward(q_all[..., Tk - Tq :, :], k, v, causal=True)  # (..., Tq, hv)
+    np.testing.assert_allclose(tail, full[..., Tk - Tq :, :], rtol=1e-13, atol=1e-14)
+    np.testing.assert_array_equal(causal_mask(Tq, Tk, k), np.tri(Tk, dtype=bool)[Tk - Tq :])
+
+
+@fast()
+@given(s=sdpa_shapes)
+def test_sdpa_broadcasting_equals_repeating(s):
+    """k, v with leading dims of 1 give what the explicitly repeated k, v give, and their
+    gradients are the repeated gradients summed over the repeats."""
+    q, k, v, mask, rng = _sdpa_inputs(s)
+    lead = q.shape[:-2]
+    k_rep = np.broadcast_to(k, (*lead, *k.shape[-2:])).copy()  # (*lead, Tk, hs)
+    v_rep = np.broadcast_to(v, (*lead, *v.shape[-2:])).copy()  # (*lead, Tk, hv)
+    out, cache = sdpa_forward(q, k, v, mask, causal=s["causal"])
+    out_rep, cache_rep = sdpa_forward(q, k_rep, v_rep, mask, causal=s["causal"])
+    np.testing.assert_allclose(out, out_rep, rtol=1e-13, atol=1e-14)
+    dout = rng.standard_normal(out.shape)
+    dq, dk, dv = sdpa_backward(dout, cache)
+    dq_rep, dk_rep, dv_rep = sdpa_backward(dout, cache_rep)
+    np.testing.assert_allclose(dq, dq_rep, rtol=1e-13, atol=1e-14)
+    stretched = tuple(i for i, n in enumerate(k.shape[:-2]) if n != lead[i])
+    for grad, repeated in ((dk, dk_rep), (dv, dv_rep)):
+        np.testing.assert_allclose(grad, repeated.sum(axis=stretched, keepdims=True), rtol=1e-12,
+                                   atol=1e-13)  # fmt: skip
+
+
+@fast()
+@given(s=sdpa_shapes, data=st.data())
+def test_sdpa_refuses_a_query_that_sees_no_key(s, data):
+    """Hiding every key from one query row raises a ValueError that names the row, never NaN."""
+    q, k, v, _, rng = _sdpa_inputs(s)
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    mask = random_attention_mask(rng, (Tq, Tk))
+    row = data.draw(st.integers(0, Tq - 1))
+    mask[row] = False
+    with pytest.raises(ValueError, match=rf"^query row {row} can see no key"):
+        sdpa_forward(q, k, v, mask, causal=s["causal"])
 
 
 model_configs = st.fixed_dictionaries({

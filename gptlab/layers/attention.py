@@ -7,25 +7,23 @@
 
 Here ``att[t, i]`` is the weight that query t gives to key i: the transpose of the column
 convention of ``attention_single``. The causal mask keeps i <= t (the lower triangle).
+Per head, ``att @ v`` with its ``att`` is scaled dot-product attention (``sdpa.py``, causal);
+its cache (q, k, v, att, softmax_cache, scale) is the cache of ``multihead_forward``.
 
 Book: chapter 3 (forward) and chapter 7 (backward).
 """
 
 from __future__ import annotations
 
-import math
-
-from ..backend import array_device, array_namespace
+from ..backend import array_namespace
 from ..checks import require_float, require_shape
 from .linear import linear_backward, linear_forward
-from .softmax import softmax_backward, softmax_forward
+from .sdpa import causal_mask, sdpa_backward, sdpa_forward
 
 
 def causal_mask_rows(T: int, like):
     """(T, T) boolean, True where query t may see key i, i.e. i <= t (lower triangle)."""
-    xp = array_namespace(like)
-    i = xp.arange(T, device=array_device(like))  # (T,)
-    return i[None, :] <= i[:, None]  # (T, T)
+    return causal_mask(T, T, like)  # (T, T)
 
 
 def split_heads(x, n_head: int):
@@ -52,37 +50,26 @@ def merge_heads(x):
 
 
 def multihead_forward(qkv, *, n_head: int, causal: bool = True):
-    """The attention core: qkv (B, T, 3C) -> y (B, T, C), heads merged, before c_proj."""
-    xp = array_namespace(qkv)
+    """The attention core: qkv (B, T, 3C) -> y (B, T, C), heads merged, before c_proj.
+    The cache is sdpa's: (q, k, v (B, NH, T, hs), att (B, NH, T, T), softmax_cache, scale)."""
     require_float("qkv", qkv)
-    B, T, C3 = qkv.shape
+    if len(qkv.shape) != 3:
+        raise ValueError(f"qkv must have shape (B, T, 3C), got {tuple(qkv.shape)}")
+    C3 = qkv.shape[-1]
     if C3 % (3 * n_head) != 0:
         raise ValueError(f"qkv width {C3} is not 3 * n_head * head_size for n_head={n_head}")
-    C = C3 // 3
-    hs = C // n_head
     q, k, v = split_qkv(qkv, n_head)  # (B, NH, T, hs) each
-    scores = q @ k.mT / math.sqrt(hs)  # (B, NH, T, T)
-    if causal:
-        scores = xp.where(causal_mask_rows(T, qkv), scores, -math.inf)  # (B, NH, T, T)
-    att, softmax_cache = softmax_forward(scores, axis=-1)  # (B, NH, T, T), rows sum to 1
-    y = merge_heads(att @ v)  # (B, T, C)
-    return y, (q, k, v, att, softmax_cache)
+    heads, cache = sdpa_forward(q, k, v, causal=causal)  # (B, NH, T, hs)
+    y = merge_heads(heads)  # (B, T, C)
+    return y, cache
 
 
 def multihead_backward(dy, cache):
     """dy (B, T, C) -> (dqkv (B, T, 3C),)."""
     xp = array_namespace(dy)
-    q, k, v, att, softmax_cache = cache
-    n_head, hs = q.shape[1], q.shape[3]
-    # y = merge_heads(att @ v)
-    dyh = split_heads(dy, n_head)  # (B, NH, T, hs)
-    datt = dyh @ v.mT  # (B, NH, T, T)
-    dv = att.mT @ dyh  # (B, NH, T, hs)
-    # att = softmax(scores) row by row; masked entries have att = 0 and so get no gradient
-    (dscores,) = softmax_backward(datt, softmax_cache)  # (B, NH, T, T)
-    # scores = q @ k^T / sqrt(hs)
-    dq = dscores @ k / math.sqrt(hs)  # (B, NH, T, hs)
-    dk = dscores.mT @ q / math.sqrt(hs)  # (B, NH, T, hs)
+    n_head = cache[0].shape[1]  # sdpa's cache starts with q (B, NH, T, hs)
+    # y = merge_heads(heads), heads = sdpa(q, k, v)
+    dq, dk, dv = sdpa_backward(split_heads(dy, n_head), cache)  # (B, NH, T, hs) each
     # q, k, v = split(qkv)
     dqkv = xp.concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)], axis=-1)  # (B,T,3C)
     return (dqkv,)
@@ -119,5 +106,5 @@ def attention_backward(dy, cache):
 def attention_weights(x, w_attn, b_attn, *, n_head: int, causal: bool = True):
     """The attention maps alone: x (B, T, C) -> att (B, NH, T, T), for heatmaps."""
     qkv, _ = linear_forward(x, w_attn, b_attn)  # (B, T, 3C)
-    _, (_, _, _, att, _) = multihead_forward(qkv, n_head=n_head, causal=causal)
-    return att
+    _, (_, _, _, att, _, _) = multihead_forward(qkv, n_head=n_head, causal=causal)
+    return att  # (B, NH, T, T)
