@@ -30,7 +30,7 @@ def test_checks_true_shows_every_line():
 def test_guards_that_raise_input_errors_are_checks_others_are_not():
     attention = show_source("gptlab.layers.attention.attention_forward")
     assert "raise ValueError" not in attention.code and "if " not in attention.code
-    train_loop = show_source("gptlab.train.train", start_at="while step < cfg.max_iters",
+    train_loop = show_source("gptlab.train._train", start_at="while step < cfg.max_iters",
                              end_before="return TrainResult")
     assert "raise TrainingDiverged" in train_loop.code  # a run-time guard, not an input check
     assert train_loop.code.startswith("while step < cfg.max_iters:")  # dedented excerpt
