@@ -1,8 +1,16 @@
-"""Checkpoints: weights and optimizer moments in safetensors, everything else in a JSON sidecar.
+"""Checkpoints in safetensors (plain tensors, never pickle) with JSON metadata. Two kinds:
 
-A checkpoint directory holds
+One file, the checkpoint of a library user (``save_checkpoint`` / ``load_checkpoint``): the
+parameters, the optimizer's state (a ``gptlab.optim`` optimizer, functional or torch.optim, or
+any ``torch.optim.Optimizer``), the step and the GPTConfig, in ONE safetensors payload: the
+parameters under their GPT-2 names, the optimizer's tensors under ``optimizer/...``, everything
+else as JSON in the header's metadata. It goes to a path (written atomically) or to a binary file
+object (``io.BytesIO``, a file opened with "wb").
 
-    model-<step>.safetensors      the parameters, GPT-2 names (plain tensors: never pickle)
+A training run directory (``save_run_checkpoint`` / ``load_run_checkpoint``, used by
+``gptlab.train``) holds
+
+    model-<step>.safetensors      the parameters, GPT-2 names
     optimizer-<step>.safetensors  the optimizer's moments ("m.<name>", "v.<name>", ...)
     tokenizer.json                the tokenizer (``gptlab.tokenizer.load_tokenizer``)
     state.json                    step, configs, RNG state, loss history, and the file names
@@ -12,17 +20,22 @@ and ``state.json`` goes last. The weight files carry the step in their names, so
 never overwrites the files the current ``state.json`` names: a crash (even SIGKILL) at any point
 of a save leaves the previous checkpoint whole. Files of older steps are removed only after the
 new ``state.json`` is in place.
+
+Unreadable files raise errors that name the file and the problem (missing, empty, truncated, not
+safetensors, not a gptlab checkpoint, tensors that do not fit the config).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_bytes
 
 from .backend import convert, to_numpy
@@ -30,21 +43,31 @@ from .config import GPTConfig
 from .model import check_params
 from .tokenizer import Tokenizer, load_tokenizer
 
-FORMAT = "gptlab-checkpoint"
+FORMAT = "gptlab-checkpoint"  # the weight files and state.json of a training run directory
 FORMAT_VERSION = 1
+FILE_FORMAT = "gptlab-checkpoint-file"  # the single-file checkpoint
+FILE_FORMAT_VERSION = 1
+OPTIMIZER_PREFIX = "optimizer/"  # the optimizer's tensors in a single-file checkpoint
 STATE_FILE = "state.json"
 TOKENIZER_FILE = "tokenizer.json"
 
 
 def atomic_write(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
+
+    A write that fails (or is interrupted) removes its temporary file and leaves ``path`` as it
+    was."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable (POSIX)
         fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -53,31 +76,242 @@ def atomic_write(path, data: bytes) -> None:
             os.close(fd)
 
 
-def _tensors_bytes(arrays: dict, step: int) -> bytes:
+def _safetensors_bytes(arrays: dict, metadata: dict[str, str]) -> bytes:
     host = {name: np.ascontiguousarray(to_numpy(x)) for name, x in arrays.items()}
-    return safetensors_bytes(host, metadata={"format": FORMAT, "step": str(step)})
+    return safetensors_bytes(host, metadata=metadata)
+
+
+def _safetensors_problem(data: bytes) -> str:
+    """Why safetensors refused ``data``: cut short, or not a safetensors file at all.
+
+    The format: an 8-byte little-endian header length n, n bytes of JSON (per tensor its dtype,
+    shape and data_offsets; "__metadata__"), then the tensor bytes."""
+    if len(data) < 9 or data[8:9] != b"{":
+        return "not a safetensors file"
+    end_of_header = 8 + int.from_bytes(data[:8], "little")
+    if len(data) < end_of_header:
+        return f"truncated: its header ends at byte {end_of_header}, the file has {len(data)} bytes"
+    try:
+        header = json.loads(data[8:end_of_header])
+        end = end_of_header + max((entry["data_offsets"][1] for key, entry in header.items()
+                                   if key != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return "not a safetensors file (its header is not safetensors JSON)"
+    if len(data) < end:
+        return f"truncated: its tensors end at byte {end}, the file has {len(data)} bytes"
+    return "not a readable safetensors file"
+
+
+def _read_safetensors(data: bytes, name: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(metadata, tensors) of a safetensors payload; ValueError naming ``name`` and the problem."""
+    if not data:
+        raise ValueError(f"{name}: the file is empty (0 bytes), not a checkpoint")
+    try:
+        tensors = safetensors_load(data)
+    except SafetensorError as err:
+        raise ValueError(f"{name}: {_safetensors_problem(data)} ({err})") from err
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    return header.get("__metadata__") or {}, tensors
+
+
+def _read_bytes(path: Path) -> bytes:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    return path.read_bytes()
+
+
+# ------------------------------------------------------------------------------------------------
+# One file: params, optimizer state, step, config
+
+
+def _class_path(obj) -> str:
+    """'gptlab.optim.AdamW', 'torch.optim.adamw.AdamW', ...: the kind of an optimizer."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _optimizer_payload(optimizer) -> tuple[dict, dict]:
+    """(JSON description, tensors by key) of ``optimizer.state_dict()``, in either layout:
+    gptlab's functional ``{"kind", "step", "state": {"<buffer>.<name>": array}}`` or
+    torch.optim's ``{"state": {index: {key: tensor or number}}, "param_groups": [...]}``."""
+    state_dict = optimizer.state_dict()
+    if "param_groups" not in state_dict:  # gptlab.optim.AdamW, SGD
+        skeleton = {"kind": state_dict["kind"], "step": state_dict["step"]}
+        tensors = dict(state_dict["state"])
+    else:  # a torch.optim.Optimizer: tensors become "<index>/<key>", numbers stay in the JSON
+        skeleton = {"param_groups": state_dict["param_groups"], "state": {}}
+        tensors = {}
+        for index, values in state_dict["state"].items():
+            skeleton["state"][str(index)] = {k: v for k, v in values.items()
+                                             if not hasattr(v, "shape")}
+            tensors.update({f"{index}/{k}": v for k, v in values.items() if hasattr(v, "shape")})
+    description = {"kind": _class_path(optimizer), "state_dict": skeleton, "tensors": list(tensors)}
+    return description, tensors
+
+
+def _optimizer_state(description: dict, tensors: dict) -> dict:
+    """The inverse of ``_optimizer_payload``: a state dict for the optimizer's load_state_dict
+    (NumPy arrays for the functional layout, torch tensors for the torch.optim one)."""
+    skeleton = description["state_dict"]
+    saved = {key: tensors[OPTIMIZER_PREFIX + key] for key in description["tensors"]}
+    if "param_groups" not in skeleton:
+        return {**skeleton, "state": saved}
+    state = {int(index): dict(values) for index, values in skeleton["state"].items()}
+    for key, x in saved.items():
+        index, name = key.split("/", 1)
+        state[int(index)][name] = convert(x, "torch")
+    return {"state": state, "param_groups": skeleton["param_groups"]}
+
+
+def save_checkpoint(target, params: dict, optimizer=None, step: int = 0,
+                    config: GPTConfig | None = None) -> None:
+    """Write ``params`` (name -> NumPy or torch array), ``optimizer``'s state, ``step`` and
+    ``config`` as one safetensors payload to ``target``: a path (written atomically, so a crash
+    leaves the previous file whole) or a binary file object.
+
+    ``optimizer``: ``gptlab.optim``'s AdamW/SGD/TorchAdamW/TorchSGD or any torch.optim.Optimizer
+    (its param_groups must be JSON-friendly). With ``config``, ``params`` must fit it.
+    """
+    to_path = isinstance(target, (str, os.PathLike))
+    if not to_path and (isinstance(target, io.TextIOBase) or not hasattr(target, "write")):
+        raise TypeError(f"target must be a path or a file object opened with 'wb', "
+                        f"got {type(target).__name__}")
+    if not params:
+        raise ValueError("params must hold at least one tensor")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    clashes = [name for name in params if name.startswith(OPTIMIZER_PREFIX)]
+    if clashes:
+        raise ValueError(f"parameter names must not start with {OPTIMIZER_PREFIX!r}: {clashes}")
+    if config is not None:
+        check_params(params, config)
+    header = {"format_version": FILE_FORMAT_VERSION, "step": step,
+              "config": None if config is None else config.to_dict(), "params": list(params),
+              "optimizer": None}
+    tensors = dict(params)
+    if optimizer is not None:
+        header["optimizer"], optimizer_tensors = _optimizer_payload(optimizer)
+        tensors.update({OPTIMIZER_PREFIX + key: x for key, x in optimizer_tensors.items()})
+    try:
+        metadata = {"format": FILE_FORMAT, "gptlab": json.dumps(header)}
+    except TypeError as err:
+        raise ValueError(f"the optimizer's state is not JSON-friendly: {err}") from err
+    data = _safetensors_bytes(tensors, metadata)
+    if to_path:
+        atomic_write(target, data)
+    else:
+        target.write(data)
+
+
+@dataclass
+class Checkpoint:
+    """A loaded single-file checkpoint (``load_checkpoint``)."""
+
+    params: dict  # on the requested backend, dtype and device
+    step: int
+    config: GPTConfig | None
+    optimizer_kind: str | None  # the optimizer's class ("gptlab.optim.AdamW", ...), None: none
+    optimizer_state: dict | None  # for its load_state_dict (NumPy arrays, or torch tensors)
+    source: str  # the file it was read from, for messages
+
+    def restore_optimizer(self, optimizer) -> None:
+        """Load the saved state into ``optimizer``, an optimizer of the saved kind built over the
+        loaded params (the same names, or the same parameter groups, as the saved one)."""
+        if self.optimizer_state is None:
+            raise ValueError(f"{self.source}: the checkpoint holds no optimizer state")
+        kind = _class_path(optimizer)
+        if kind != self.optimizer_kind:
+            raise ValueError(f"{self.source}: optimizer kind mismatch: the checkpoint holds the "
+                             f"state of {self.optimizer_kind}, not of {kind}")
+        try:
+            optimizer.load_state_dict(self.optimizer_state)
+        except ValueError as err:
+            raise ValueError(f"{self.source}: {err}") from err
+
+
+def _read_source(source) -> tuple[bytes, str]:
+    """(the bytes, a name for messages) of a path or a binary file object."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory: load_run_checkpoint reads a "
+                                    "training run directory, load_checkpoint one file")
+        return _read_bytes(path), str(path)
+    name = str(getattr(source, "name", f"<{type(source).__name__}>"))
+    if isinstance(source, io.TextIOBase) or not hasattr(source, "read"):
+        raise TypeError(f"source must be a path or a file object opened with 'rb', got {name}")
+    return source.read(), name
+
+
+def _file_header(metadata: dict, name: str) -> dict:
+    """The gptlab part of a single-file checkpoint's metadata, checked."""
+    if metadata.get("format") != FILE_FORMAT:
+        hint = (" (it is a weight file of a training run directory: load_run_checkpoint reads "
+                "the directory)" if metadata.get("format") == FORMAT else "")
+        raise ValueError(f"{name}: a safetensors file, but not a gptlab checkpoint (its metadata "
+                         f"is {metadata}){hint}")
+    try:
+        header = json.loads(metadata["gptlab"])
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"{name}: its gptlab metadata is missing or not JSON ({err!r})") from err
+    if header.get("format_version") != FILE_FORMAT_VERSION:
+        raise ValueError(f"{name}: checkpoint format version {header.get('format_version')!r}, "
+                         f"this gptlab reads version {FILE_FORMAT_VERSION}")
+    return header
+
+
+def load_checkpoint(source, backend: str = "numpy", dtype=None, device=None) -> Checkpoint:
+    """Read a checkpoint written by ``save_checkpoint`` from a path or a binary file object;
+    params go to ``backend`` ("numpy" | "torch"), ``dtype`` and ``device``.
+
+    A missing file raises FileNotFoundError; an empty, truncated or foreign file, or tensors that
+    do not fit the saved config, raise ValueError naming the file. Nothing is ever unpickled.
+    """
+    data, name = _read_source(source)
+    metadata, tensors = _read_safetensors(data, name)
+    header = _file_header(metadata, name)
+    try:
+        names, optimizer = list(header["params"]), header["optimizer"]
+        listed = names + [OPTIMIZER_PREFIX + key for key in (optimizer or {}).get("tensors", [])]
+        config = None if header["config"] is None else GPTConfig(**header["config"])
+        step = int(header["step"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{name}: its gptlab metadata is malformed ({err!r})") from err
+    missing, extra = sorted(set(listed) - set(tensors)), sorted(set(tensors) - set(listed))
+    if missing or extra:
+        raise ValueError(f"{name}: its tensors do not match its metadata: missing {missing}, "
+                         f"unexpected {extra}")
+    params = {n: tensors[n] for n in names}
+    if config is not None:
+        try:
+            check_params(params, config)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{name}: {err}") from err
+    params = {n: convert(x, backend, dtype=dtype, device=device) for n, x in params.items()}
+    if optimizer is None:
+        return Checkpoint(params, step, config, None, None, name)
+    return Checkpoint(params, step, config, optimizer["kind"],
+                      _optimizer_state(optimizer, tensors), name)
+
+
+# ------------------------------------------------------------------------------------------------
+# A training run directory: weights, optimizer moments, tokenizer, state.json
 
 
 def _read_tensors(path: Path, step: int) -> dict[str, np.ndarray]:
-    try:
-        with safe_open(str(path), framework="np") as f:
-            metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{path}: not a readable safetensors file (truncated or foreign?): "
-                         f"{err}") from err
+    metadata, tensors = _read_safetensors(_read_bytes(path), str(path))
     if metadata.get("format") != FORMAT or metadata.get("step") != str(step):
         raise ValueError(f"{path}: not the gptlab checkpoint of step {step} "
                          f"(its metadata is {metadata})")
     return tensors
 
 
-def save_checkpoint(out_dir, *, step: int, params: dict, optimizer, tokenizer: Tokenizer,
-                    model_config: GPTConfig, extra: dict | None = None) -> Path:
-    """Write the checkpoint of ``step`` into ``out_dir``; returns the path of its state.json.
+def save_run_checkpoint(out_dir, *, step: int, params: dict, optimizer, tokenizer: Tokenizer,
+                        model_config: GPTConfig, extra: dict | None = None) -> Path:
+    """Write the checkpoint of ``step`` into the run directory ``out_dir``; returns the path of
+    its state.json.
 
-    ``optimizer`` is anything with ``state_dict()`` (``gptlab.optim``); ``extra`` (JSON-friendly:
-    train config, RNG state, history, ...) is stored in state.json as it is.
+    ``optimizer`` is a functional ``gptlab.optim`` optimizer (AdamW, SGD); ``extra``
+    (JSON-friendly: train config, RNG state, history, ...) is stored in state.json as it is.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -85,8 +319,9 @@ def save_checkpoint(out_dir, *, step: int, params: dict, optimizer, tokenizer: T
     opt_state = optimizer.state_dict()
     model_file = f"model-{step:08d}.safetensors"
     optimizer_file = f"optimizer-{step:08d}.safetensors"
-    atomic_write(out_dir / model_file, _tensors_bytes(params, step))
-    atomic_write(out_dir / optimizer_file, _tensors_bytes(opt_state["state"], step))
+    tensor_metadata = {"format": FORMAT, "step": str(step)}
+    atomic_write(out_dir / model_file, _safetensors_bytes(params, tensor_metadata))
+    atomic_write(out_dir / optimizer_file, _safetensors_bytes(opt_state["state"], tensor_metadata))
     atomic_write(out_dir / TOKENIZER_FILE, tokenizer.to_json().encode("utf-8"))
     state = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
@@ -105,8 +340,8 @@ def save_checkpoint(out_dir, *, step: int, params: dict, optimizer, tokenizer: T
 
 
 @dataclass
-class Checkpoint:
-    """A loaded checkpoint: params on the requested backend, NumPy optimizer moments."""
+class RunCheckpoint:
+    """A loaded run directory: params on the requested backend, NumPy optimizer moments."""
 
     step: int
     params: dict
@@ -133,8 +368,9 @@ def read_state(ckpt_dir) -> dict:
     return state
 
 
-def load_checkpoint(ckpt_dir, backend: str = "numpy", dtype=None, device=None) -> Checkpoint:
-    """Read the checkpoint in ``ckpt_dir``; params go to ``backend`` (and ``dtype``/``device``).
+def load_run_checkpoint(ckpt_dir, backend: str = "numpy", dtype=None,
+                        device=None) -> RunCheckpoint:
+    """Read the run directory ``ckpt_dir``; params go to ``backend`` (and ``dtype``/``device``).
 
     Truncated or foreign files raise ValueError naming the file; nothing is ever unpickled.
     """
@@ -152,8 +388,9 @@ def load_checkpoint(ckpt_dir, backend: str = "numpy", dtype=None, device=None) -
     optimizer_state = {"kind": state["optimizer_kind"], "step": state["optimizer_step"],
                        "state": moments}
     tokenizer = load_tokenizer(ckpt_dir / state["tokenizer_file"])
-    return Checkpoint(step, params, optimizer_state, tokenizer, model_config, state)
+    return RunCheckpoint(step, params, optimizer_state, tokenizer, model_config, state)
 
 
-__all__ = ["FORMAT_VERSION", "STATE_FILE", "atomic_write", "save_checkpoint", "read_state",
-           "load_checkpoint", "Checkpoint"]
+__all__ = ["FORMAT_VERSION", "FILE_FORMAT_VERSION", "STATE_FILE", "atomic_write",
+           "save_checkpoint", "load_checkpoint", "Checkpoint", "save_run_checkpoint",
+           "load_run_checkpoint", "read_state", "RunCheckpoint"]

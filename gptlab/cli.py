@@ -138,10 +138,10 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_sample(args: argparse.Namespace) -> int:
-    from .checkpoint import load_checkpoint
+    from .checkpoint import load_run_checkpoint
     from .sample import generate
 
-    ckpt = load_checkpoint(args.checkpoint, backend=args.backend, device=args.device)
+    ckpt = load_run_checkpoint(args.checkpoint, backend=args.backend, device=args.device)
     prompt_ids = ckpt.tokenizer.encode(args.prompt)
     ids = generate(ckpt.params, ckpt.model_config, prompt_ids, args.max_new_tokens,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .checkpoint import STATE_FILE, load_checkpoint, read_state, save_checkpoint
+from .checkpoint import STATE_FILE, load_run_checkpoint, read_state, save_run_checkpoint
 from .config import GELU_ALIASES, GELU_FORMS, GPTConfig
 from .data import EMBEDDED, get_batch, load_text, split_train_val
 from .model import gpt_forward, init_params, loss_and_grads
@@ -293,7 +293,8 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult:
     rng = np.random.default_rng(cfg.seed)  # batch offsets; its state is checkpointed
 
     if cfg.resume:
-        ckpt = load_checkpoint(out_dir, backend=cfg.array_backend, dtype=cfg.dtype, device=device)
+        ckpt = load_run_checkpoint(out_dir, backend=cfg.array_backend, dtype=cfg.dtype,
+                                   device=device)
         tokenizer, params, step = ckpt.tokenizer, ckpt.params, ckpt.step
         model_cfg = cfg.model_config(tokenizer.vocab_size)
         if ckpt.model_config != model_cfg:
@@ -363,7 +364,7 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult:
                 bar.write(f"step {step}: train {row['train_loss']:.4f}, val {row['val_loss']:.4f}")
         interval = cfg.checkpoint_interval
         if (interval > 0 and step % interval == 0) or step == cfg.max_iters:
-            checkpoint_path = save_checkpoint(
+            checkpoint_path = save_run_checkpoint(
                 out_dir, step=step, params=params, optimizer=optimizer, tokenizer=tokenizer,
                 model_config=model_cfg,
                 extra={"train_config": asdict(cfg), "batch_rng_state": rng.bit_generator.state,

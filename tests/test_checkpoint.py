@@ -1,19 +1,33 @@
-"""Checkpoints: round trip, clear errors for truncated or foreign files, crash-safe saves."""
+"""Checkpoints, one file and a training run directory: round trips, clear errors for missing,
+truncated or foreign files, crash-safe saves."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 import torch
+from conftest import requires_cuda
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 import gptlab.checkpoint as ckpt_module
 from gptlab import GPTConfig, init_params, param_shapes
-from gptlab.backend import to_numpy
-from gptlab.checkpoint import STATE_FILE, atomic_write, load_checkpoint, save_checkpoint
-from gptlab.optim import AdamW
+from gptlab.autograd import GPT
+from gptlab.backend import convert, to_numpy
+from gptlab.checkpoint import (
+    STATE_FILE,
+    atomic_write,
+    load_checkpoint,
+    load_run_checkpoint,
+    save_checkpoint,
+    save_run_checkpoint,
+)
+from gptlab.optim import SGD, AdamW, TorchAdamW, TorchSGD, param_groups
 from gptlab.tokenizer import CharTokenizer
 
 CFG = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=5, block_size=4)
@@ -32,8 +46,9 @@ def _trained(steps: int, backend="torch"):
 
 
 def _save(out_dir, step, params, opt):
-    return save_checkpoint(out_dir, step=step, params=params, optimizer=opt, tokenizer=TOKENIZER,
-                           model_config=CFG, extra={"note": "hi", "rng": {"state": 2**100}})
+    return save_run_checkpoint(out_dir, step=step, params=params, optimizer=opt,
+                               tokenizer=TOKENIZER, model_config=CFG,
+                               extra={"note": "hi", "rng": {"state": 2**100}})
 
 
 def _assert_same(a: dict, b: dict):
@@ -42,11 +57,11 @@ def _assert_same(a: dict, b: dict):
         np.testing.assert_array_equal(to_numpy(a[name]), to_numpy(b[name]))
 
 
-def test_round_trip(tmp_path):
+def test_run_round_trip(tmp_path):
     params, opt = _trained(3)
     state_path = _save(tmp_path, 3, params, opt)
     assert state_path == tmp_path / STATE_FILE
-    ckpt = load_checkpoint(tmp_path)
+    ckpt = load_run_checkpoint(tmp_path)
     assert ckpt.step == 3 and ckpt.model_config == CFG
     assert ckpt.state["note"] == "hi" and ckpt.state["rng"]["state"] == 2**100
     assert ckpt.tokenizer.chars == TOKENIZER.chars
@@ -56,7 +71,7 @@ def test_round_trip(tmp_path):
     restored.load_state_dict(ckpt.optimizer_state)
     assert restored.step_count == 3
     _assert_same(restored.state, opt.state)
-    on_torch = load_checkpoint(tmp_path, backend="torch", dtype="float64")
+    on_torch = load_run_checkpoint(tmp_path, backend="torch", dtype="float64")
     assert on_torch.params["wte.weight"].dtype == torch.float64
 
 
@@ -66,7 +81,7 @@ def test_new_save_replaces_old_files(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["model-00000002.safetensors", "optimizer-00000002.safetensors",
                      STATE_FILE, "tokenizer.json"]
-    assert load_checkpoint(tmp_path).step == 2
+    assert load_run_checkpoint(tmp_path).step == 2
 
 
 def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -84,7 +99,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         _save(tmp_path, 2, *_trained(2))
     monkeypatch.undo()
-    ckpt = load_checkpoint(tmp_path)
+    ckpt = load_run_checkpoint(tmp_path)
     assert ckpt.step == 1
     _assert_same(ckpt.params, params1)
 
@@ -101,21 +116,22 @@ def test_atomic_write_leaves_old_content_when_interrupted(tmp_path, monkeypatch)
         atomic_write(path, b"new")
     monkeypatch.undo()
     assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]  # no temporary file left behind
 
 
 def test_truncated_weights_give_a_clear_error(tmp_path):
     _save(tmp_path, 3, *_trained(3))
     model = tmp_path / "model-00000003.safetensors"
     model.write_bytes(model.read_bytes()[:-100])
-    with pytest.raises(ValueError, match=r"model-00000003.safetensors: not a readable safetensors"):
-        load_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=r"model-00000003.safetensors: truncated"):
+        load_run_checkpoint(tmp_path)
 
 
 def test_foreign_weights_give_a_clear_error(tmp_path):
     _save(tmp_path, 3, *_trained(3))
     (tmp_path / "optimizer-00000003.safetensors").write_bytes(b"PK\x03\x04 a zip, not tensors" * 10)
     with pytest.raises(ValueError, match="optimizer-00000003.safetensors"):
-        load_checkpoint(tmp_path)
+        load_run_checkpoint(tmp_path)
 
 
 def test_weights_of_another_step_are_rejected(tmp_path):
@@ -124,7 +140,7 @@ def test_weights_of_another_step_are_rejected(tmp_path):
     state["step"] = 4
     (tmp_path / STATE_FILE).write_text(json.dumps(state))
     with pytest.raises(ValueError, match="not the gptlab checkpoint of step 4"):
-        load_checkpoint(tmp_path)
+        load_run_checkpoint(tmp_path)
 
 
 def test_weights_that_do_not_fit_the_config_are_rejected(tmp_path):
@@ -133,7 +149,7 @@ def test_weights_that_do_not_fit_the_config_are_rejected(tmp_path):
     state["model_config"]["n_embd"] = 16
     (tmp_path / STATE_FILE).write_text(json.dumps(state))
     with pytest.raises(ValueError, match="model-00000003.safetensors: .*expected"):
-        load_checkpoint(tmp_path)
+        load_run_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize("content, message", [
@@ -145,9 +161,279 @@ def test_bad_state_file(tmp_path, content, message):
     _save(tmp_path, 3, *_trained(3))
     (tmp_path / STATE_FILE).write_bytes(content)
     with pytest.raises(ValueError, match=message):
+        load_run_checkpoint(tmp_path)
+
+
+def test_missing_run_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        load_run_checkpoint(tmp_path / "empty")
+
+
+# ------------------------------------------------------------------------------------------------
+# One file: save_checkpoint / load_checkpoint
+
+
+def _functional(opt_class, backend, steps, params=None, opt=None):
+    """Updates ``steps`` of a functional optimizer on seeded random gradients, in float64."""
+    if params is None:
+        params = init_params(CFG, seed=0, backend=backend, dtype="float64")
+        opt = opt_class(params, lr=1e-2)
+    for step in steps:
+        rng = np.random.default_rng(step)
+        grads = {n: convert(rng.standard_normal(s), backend)
+                 for n, s in param_shapes(CFG).items()}
+        params = opt.step(params, grads)
+    return params, opt
+
+
+def _train_gpt(model: GPT, opt, steps, device="cpu"):
+    """Updates ``steps`` of a GPT module by a torch optimizer, its gradients from gpt_backward."""
+    for step in steps:
+        rng = np.random.default_rng(step)
+        x, y = (torch.as_tensor(rng.integers(0, CFG.vocab_size, (2, CFG.block_size)),
+                                device=device) for _ in range(2))
+        opt.zero_grad()
+        model(x, y)[1].backward()
+        opt.step()
+
+
+def _target(tmp_path, to: str):
+    return tmp_path / "ckpt.safetensors" if to == "path" else io.BytesIO()
+
+
+def _rewind(target):
+    if isinstance(target, io.BytesIO):
+        target.seek(0)
+    return target
+
+
+@pytest.mark.parametrize("to", ["path", "bytesio"])
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("opt_class", [AdamW, SGD])
+def test_file_round_trip_with_a_functional_optimizer(tmp_path, to, backend, opt_class):
+    """Save after 3 steps, load, restore the optimizer: 2 more steps match the run that went on."""
+    params, opt = _functional(opt_class, backend, range(3))
+    target = _target(tmp_path, to)
+    save_checkpoint(target, params, opt, step=3, config=CFG)
+    ckpt = load_checkpoint(_rewind(target), backend=backend)
+    assert ckpt.step == 3 and ckpt.config == CFG
+    assert ckpt.optimizer_kind == f"gptlab.optim.{opt_class.__name__}"
+    assert list(ckpt.params) == list(params)
+    assert type(ckpt.params["wte.weight"]) is type(params["wte.weight"])
+    _assert_same(ckpt.params, params)
+    resumed = opt_class(ckpt.params, lr=1e-2)
+    ckpt.restore_optimizer(resumed)
+    assert resumed.step_count == 3
+    went_on, _ = _functional(opt_class, backend, range(3, 5), params, opt)
+    finished, _ = _functional(opt_class, backend, range(3, 5), ckpt.params, resumed)
+    _assert_same(finished, went_on)
+
+
+@pytest.mark.parametrize("to", ["path", "bytesio"])
+@pytest.mark.parametrize("make_optimizer", [
+    lambda groups: TorchAdamW(groups, lr=1e-2),
+    lambda groups: TorchSGD(groups, lr=0.1, momentum=0.9, nesterov=True),
+    lambda groups: torch.optim.AdamW(groups, lr=1e-2),
+], ids=["TorchAdamW", "TorchSGD", "torch.optim.AdamW"])  # fmt: skip
+def test_file_round_trip_with_a_torch_optimizer(tmp_path, to, make_optimizer):
+    """A GPT module and its torch optimizer: save, load into a new module and optimizer, and
+    both go on identically."""
+    model = GPT(CFG, seed=0, dtype="float64")
+    opt = make_optimizer(param_groups(model.params, 0.1))
+    _train_gpt(model, opt, range(3))
+    target = _target(tmp_path, to)
+    save_checkpoint(target, model.params, opt, step=3, config=CFG)
+    ckpt = load_checkpoint(_rewind(target), backend="torch")
+    assert ckpt.optimizer_kind == f"{type(opt).__module__}.{type(opt).__qualname__}"
+    _assert_same(ckpt.params, model.params)
+    resumed_model = GPT(ckpt.config, ckpt.params)
+    resumed_opt = make_optimizer(param_groups(resumed_model.params, 0.1))
+    ckpt.restore_optimizer(resumed_opt)
+    _train_gpt(model, opt, range(3, 5))
+    _train_gpt(resumed_model, resumed_opt, range(3, 5))
+    _assert_same(resumed_model.params, model.params)
+
+
+def test_file_without_optimizer_or_config(tmp_path):
+    params = init_params(CFG, seed=0)
+    buffer = io.BytesIO()
+    save_checkpoint(buffer, params)
+    ckpt = load_checkpoint(_rewind(buffer), backend="torch", dtype="float64")
+    assert ckpt.step == 0 and ckpt.config is None and ckpt.optimizer_state is None
+    assert ckpt.params["wte.weight"].dtype == torch.float64
+    _assert_same(ckpt.params, params)
+    with pytest.raises(ValueError, match="<BytesIO>: the checkpoint holds no optimizer state"):
+        ckpt.restore_optimizer(AdamW(params))
+
+
+def test_file_object_opened_by_open(tmp_path):
+    params, opt = _functional(SGD, "numpy", range(2))
+    path = tmp_path / "ckpt.safetensors"
+    with open(path, "wb") as f:
+        save_checkpoint(f, params, opt, step=2)
+    with open(path, "rb") as f:
+        ckpt = load_checkpoint(f)
+    assert ckpt.step == 2 and ckpt.source == str(path)
+    _assert_same(ckpt.params, params)
+    with open(path) as f, pytest.raises(TypeError, match="'rb'"):
+        load_checkpoint(f)
+    with open(tmp_path / "text.txt", "w") as f, pytest.raises(TypeError, match="'wb'"):
+        save_checkpoint(f, params)
+
+
+def test_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    params, opt = _functional(AdamW, "numpy", range(2))
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, params, opt, step=2, config=CFG)
+    before = path.read_bytes()
+    newer, opt = _functional(AdamW, "numpy", range(2, 4), params, opt)
+
+    def fail(fd):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(os, "fsync", fail)  # the new bytes are written, not yet made durable
+    with pytest.raises(OSError, match="simulated"):
+        save_checkpoint(path, newer, opt, step=4, config=CFG)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.safetensors"]
+    assert load_checkpoint(path).step == 2
+
+
+def test_save_rejects_bad_input(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    params = init_params(CFG, seed=0)
+    with pytest.raises(ValueError, match=r"wte.weight has shape \(3, 8\), expected \(5, 8\)"):
+        save_checkpoint(path, {**params, "wte.weight": np.zeros((3, 8))}, config=CFG)
+    with pytest.raises(ValueError, match="step must be an integer >= 0"):
+        save_checkpoint(path, params, step=-1)
+    with pytest.raises(ValueError, match="at least one tensor"):
+        save_checkpoint(path, {})
+    with pytest.raises(ValueError, match="must not start with 'optimizer/'"):
+        save_checkpoint(path, {"optimizer/m": np.zeros(2)})
+    assert not path.exists()
+
+
+def _saved(tmp_path) -> tuple:
+    params, opt = _functional(AdamW, "numpy", range(2))
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, params, opt, step=2, config=CFG)
+    return path, params
+
+
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.safetensors: no such file"):
+        load_checkpoint(tmp_path / "nope.safetensors")
+    with pytest.raises(IsADirectoryError, match="load_run_checkpoint reads"):
         load_checkpoint(tmp_path)
 
 
-def test_missing_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
-        load_checkpoint(tmp_path / "empty")
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: b"", "the file is empty"),
+    (lambda data: data[:-100], "truncated: its tensors end at byte"),
+    (lambda data: data[:60], "truncated: its header ends at byte"),
+    (lambda data: b"PK\x03\x04 a zip archive, not tensors " * 10, "not a safetensors file"),
+    (lambda data: b"abc", "not a safetensors file"),
+], ids=["empty", "truncated-tensors", "truncated-header", "zip", "three-bytes"])  # fmt: skip
+@pytest.mark.parametrize("via", ["path", "bytesio"])
+def test_damaged_file(tmp_path, damage, message, via):
+    path, _ = _saved(tmp_path)
+    path.write_bytes(damage(path.read_bytes()))
+    source, name = (path, str(path)) if via == "path" else (io.BytesIO(path.read_bytes()),
+                                                            "<BytesIO>")
+    with pytest.raises(ValueError, match=f"{re.escape(name)}: {message}"):
+        load_checkpoint(source)
+
+
+def test_safetensors_file_that_is_not_a_gptlab_checkpoint(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({"wte.weight": np.zeros((5, 8))}, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.safetensors: a safetensors file, but not a gptlab"):
+        load_checkpoint(path)
+    _save(tmp_path / "run", 3, *_trained(3))  # a weight file of a run directory
+    with pytest.raises(ValueError, match="weight file of a training run directory"):
+        load_checkpoint(tmp_path / "run" / "model-00000003.safetensors")
+
+
+def _drop(name, listed):
+    """Remove tensor ``name`` from the file, and from its metadata's list too if ``listed``."""
+    def edit(tensors, header):
+        del tensors[name]
+        if listed:
+            header["params"].remove(name)
+    return edit
+
+
+def _add(name, shape, listed):
+    """Add a tensor ``name`` to the file, and to its metadata's list too if ``listed``."""
+    def edit(tensors, header):
+        tensors[name] = np.zeros(shape)
+        if listed:
+            header["params"].append(name)
+    return edit
+
+
+WRONG_FILES = {  # id: (edit of the tensors and header, the error after the file name)
+    "unlisted-missing": (_drop("h.0.ln_1.bias", listed=False),
+                         r"do not match its metadata: missing \['h.0.ln_1.bias'\]"),
+    "unlisted-extra": (_add("h.9.mlp.c_fc.weight", (8, 32), listed=False),
+                       r"unexpected \['h.9.mlp.c_fc.weight'\]"),
+    "missing-for-config": (_drop("h.0.ln_1.bias", listed=True),
+                           r"do not match the config: missing \['h.0.ln_1.bias'\]"),
+    "extra-for-config": (_add("h.1.ln_1.weight", (8,), listed=True),
+                         r"config: missing \[\], unexpected \['h.1.ln_1.weight'\]"),
+    "wrong-shape-for-config": (lambda tensors, header: header["config"].update(n_embd=16),
+                               r"wte.weight has shape \(5, 8\), expected \(5, 16\)"),
+    "format-version": (lambda tensors, header: header.update(format_version=99),
+                       "checkpoint format version 99"),
+    "no-step": (lambda tensors, header: header.pop("step"),
+                r"metadata is malformed \(KeyError\('step'\)\)"),
+}
+
+
+@pytest.mark.parametrize("edit, error", WRONG_FILES.values(), ids=WRONG_FILES.keys())
+def test_file_whose_tensors_or_metadata_are_wrong(tmp_path, edit, error):
+    """Re-save a checkpoint with its tensors or its gptlab metadata changed, as a buggy or foreign
+    writer would."""
+    path, _ = _saved(tmp_path)
+    with safe_open(str(path), framework="np") as f:
+        metadata, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    header = json.loads(metadata["gptlab"])
+    edit(tensors, header)
+    save_file(tensors, path, metadata={**metadata, "gptlab": json.dumps(header)})
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: .*{error}"):
+        load_checkpoint(path)
+
+
+def test_optimizer_kind_mismatch(tmp_path):
+    path, _ = _saved(tmp_path)  # AdamW state
+    ckpt = load_checkpoint(path)
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: optimizer kind mismatch: "
+                                         "the checkpoint holds the state of gptlab.optim.AdamW, "
+                                         "not of gptlab.optim.SGD"):
+        ckpt.restore_optimizer(SGD(ckpt.params))
+    with pytest.raises(ValueError, match="not of gptlab.optim.TorchAdamW"):
+        ckpt.restore_optimizer(TorchAdamW([torch.zeros(3, requires_grad=True)]))
+    fewer = {n: x for n, x in ckpt.params.items() if n != "wpe.weight"}
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: optimizer state does not "
+                                         r"match: missing \[\], unexpected \['m.wpe.weight'"):
+        ckpt.restore_optimizer(AdamW(fewer))
+
+
+@requires_cuda
+def test_file_round_trip_onto_cuda(tmp_path):
+    model = GPT(CFG, seed=0, dtype="float64", device="cuda")
+    opt = TorchAdamW(param_groups(model.params, 0.1), lr=1e-2)
+    _train_gpt(model, opt, range(2), device="cuda")
+    buffer = io.BytesIO()
+    save_checkpoint(buffer, model.params, opt, step=2, config=CFG)
+    ckpt = load_checkpoint(_rewind(buffer), backend="torch", device="cuda")
+    assert ckpt.params["wte.weight"].device.type == "cuda"
+    resumed_model = GPT(ckpt.config, ckpt.params)
+    resumed_opt = TorchAdamW(param_groups(resumed_model.params, 0.1), lr=1e-2)
+    ckpt.restore_optimizer(resumed_opt)
+    assert resumed_opt.state[resumed_model.params["wte.weight"]]["m"].device.type == "cuda"
+    _train_gpt(model, opt, range(2, 4), device="cuda")
+    _train_gpt(resumed_model, resumed_opt, range(2, 4), device="cuda")
+    for name, p in model.params.items():  # CUDA's scatter-add may sum in another order
+        torch.testing.assert_close(resumed_model.params[name], p, rtol=0.0, atol=1e-12)

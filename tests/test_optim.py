@@ -1,7 +1,9 @@
-"""Optimizers, schedules and clipping against torch.optim / torch.nn.utils, in float64."""
+"""Optimizers (functional and torch.optim), schedules and clipping against torch.optim /
+torch.nn.utils, in float64."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -9,9 +11,18 @@ import pytest
 import torch
 from conftest import get_backend
 
-from gptlab import GPTConfig, param_shapes
+from gptlab import GPTConfig, loss_and_grads, param_shapes
 from gptlab.backend import convert, to_numpy
-from gptlab.optim import SGD, AdamW, matrices_and_positions, matrices_only
+from gptlab.autograd import GPT
+from gptlab.optim import (
+    SGD,
+    AdamW,
+    TorchAdamW,
+    TorchSGD,
+    matrices_and_positions,
+    matrices_only,
+    param_groups,
+)
 from gptlab.schedule import clip_grad_norm, cosine_lr, inverse_sqrt_lr, make_schedule
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=6)
@@ -195,3 +206,205 @@ def test_array_api_strict_on_a_second_device():
         assert _max_diff(params, expected) < 1e-15
     grads = strict.convert(_grads(0, "numpy"))
     assert clip_grad_norm(grads, 0.5) == pytest.approx(clip_grad_norm(_grads(0, "numpy"), 0.5))
+
+
+# ------------------------------------------------------------------------------------------------
+# The torch.optim front end: TorchAdamW and TorchSGD on nn.Modules
+
+
+def _module() -> torch.nn.Module:
+    """A small float64 MLP with a LayerNorm: matrices, biases and a gain."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Tanh(),
+                               torch.nn.Linear(7, 3)).double()
+
+
+def _groups(module: torch.nn.Module, weight_decay: float, **no_decay_overrides) -> list[dict]:
+    """Decay the matrices; the other group gets its own hyperparameters (lr, betas, ...)."""
+    decay, no_decay = param_groups(dict(module.named_parameters()), weight_decay)
+    return [decay, {**no_decay, **no_decay_overrides}]
+
+
+_X = torch.as_tensor(np.random.default_rng(0).standard_normal((8, 5)))  # (8, 5) inputs
+_TARGET = torch.as_tensor(np.random.default_rng(1).standard_normal((8, 3)))  # (8, 3) to regress
+
+
+def _train(module: torch.nn.Module, opt, steps) -> list[float]:
+    """One update per item of ``steps``, by a closure (zero_grad, loss, backward) that ``step``
+    calls; the losses it returned."""
+    def closure():
+        opt.zero_grad()
+        loss = ((module(_X) - _TARGET) ** 2).mean()
+        loss.backward()
+        return loss
+
+    return [opt.step(closure).item() for _ in steps]
+
+
+def _module_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_param_groups_decay_what_the_filter_decays():
+    model = GPT(CFG, seed=0)
+    decay, no_decay = param_groups(model.params, 0.1)
+    decayed = {n for n, p in model.params.items() if any(p is q for q in decay["params"])}
+    assert decayed == {n for n, x in _params("numpy").items() if matrices_only(n, x)}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(model.params)
+    (only,) = param_groups({"b": torch.zeros(3)}, 0.1)  # no matrices: no empty decay group
+    assert only["weight_decay"] == 0.0
+
+
+TORCH_CASES = {  # id: (ours, torch's, the no-decay group's own hyperparameters)
+    "adamw": (TorchAdamW, torch.optim.AdamW,
+              dict(lr=3e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1), dict(lr=1e-2)),
+    "adamw-group-betas": (TorchAdamW, torch.optim.AdamW,
+                          dict(lr=3e-2, betas=(0.9, 0.95), weight_decay=0.1),
+                          dict(betas=(0.5, 0.9), eps=1e-3)),
+    "sgd": (TorchSGD, torch.optim.SGD, dict(lr=0.1, momentum=0.0, weight_decay=0.0), {}),
+    "sgd-momentum": (TorchSGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01),
+                     dict(lr=0.05)),
+    "sgd-nesterov": (TorchSGD, torch.optim.SGD,
+                     dict(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
+                     dict(momentum=0.5)),
+}
+
+
+@pytest.mark.parametrize("ours, theirs, kwargs, overrides", TORCH_CASES.values(),
+                         ids=TORCH_CASES.keys())
+def test_torch_optimizers_match_torch_optim(ours, theirs, kwargs, overrides):
+    """Two parameter groups, 20 steps with closures, float64: the same parameters and losses."""
+    module, reference = _module(), _module()
+    opt = ours(_groups(module, kwargs["weight_decay"], **overrides), **kwargs)
+    torch_opt = theirs(_groups(reference, kwargs["weight_decay"], **overrides), **kwargs)
+    losses, torch_losses = _train(module, opt, range(20)), _train(reference, torch_opt, range(20))
+    assert losses == pytest.approx(torch_losses, rel=1e-12, abs=0.0)
+    assert losses[-1] < losses[0]
+    assert _module_diff(module, reference) < 1e-12
+    assert _module_diff(module, _module()) > 1e-2  # it did move
+
+
+@pytest.mark.parametrize("ours, kwargs, functional", [
+    (TorchAdamW, dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), AdamW),
+    (TorchSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True), SGD),
+], ids=["adamw", "sgd"])  # fmt: skip
+def test_gpt_module_functional_and_torch_optim_paths_are_identical(ours, kwargs, functional):
+    """gptlab's GPT (hand-written backward) trained three ways on the same batches: the functional
+    optimizer on a dict, ours on the module (bit for bit the same), torch's on the module."""
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=6)
+    model, reference = GPT(cfg, seed=0, dtype="float64"), GPT(cfg, seed=0, dtype="float64")
+    params = {name: p.detach().clone() for name, p in model.params.items()}
+    opt = ours(param_groups(model.params, kwargs["weight_decay"]), **kwargs)
+    torch_class = torch.optim.AdamW if ours is TorchAdamW else torch.optim.SGD
+    torch_opt = torch_class(param_groups(reference.params, kwargs["weight_decay"]), **kwargs)
+    functional_opt = functional(params, **kwargs)
+    for step in range(5):
+        rng = np.random.default_rng(step)
+        x, y = (torch.as_tensor(rng.integers(0, cfg.vocab_size, (3, cfg.block_size)))
+                for _ in range(2))
+        for module, optimizer in ((model, opt), (reference, torch_opt)):
+            optimizer.zero_grad()
+            module(x, y)[1].backward()
+            optimizer.step()
+        _, grads = loss_and_grads(params, x, y, cfg)
+        params = functional_opt.step(params, grads)
+        for name, p in model.params.items():
+            assert torch.equal(p.detach(), params[name]), name
+    assert _max_diff(params, {n: p.detach().numpy() for n, p in reference.params.items()}) < 1e-12
+    assert not torch.equal(params["wte.weight"], GPT(cfg, seed=0, dtype="float64").params[
+        "wte.weight"].detach())
+
+
+@pytest.mark.parametrize("ours, kwargs", [
+    (TorchAdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (TorchSGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+], ids=["adamw", "sgd"])  # fmt: skip
+def test_torch_state_dict_resume_is_exact(ours, kwargs):
+    """12 steps straight == 6 steps, state_dict deep-copied, a new module and optimizer, 6 more."""
+    straight = _module()
+    _train(straight, ours(_groups(straight, kwargs["weight_decay"], lr=5e-3), **kwargs),
+           range(12))
+    half = _module()
+    opt = ours(_groups(half, kwargs["weight_decay"], lr=5e-3), **kwargs)
+    _train(half, opt, range(6))
+    state = copy.deepcopy(opt.state_dict())
+    resumed = copy.deepcopy(half)
+    resumed_opt = ours(_groups(resumed, 0.0), lr=123.0)  # hyperparameters come from the state
+    resumed_opt.load_state_dict(state)
+    assert resumed_opt.param_groups[1]["lr"] == 5e-3
+    _train(resumed, resumed_opt, range(6, 12))
+    assert _module_diff(resumed, straight) == 0.0
+
+
+@pytest.mark.parametrize("ours, theirs, kwargs", [
+    (TorchAdamW, torch.optim.AdamW, dict(betas=(0.9, 0.95))),
+    (TorchSGD, torch.optim.SGD, dict(momentum=0.9)),
+], ids=["adamw", "sgd"])  # fmt: skip
+def test_lr_scheduler_drives_the_torch_optimizers(ours, theirs, kwargs):
+    """LambdaLR (warmup, then halving) sets each group's lr as it does for torch's optimizers."""
+    schedule = lambda epoch: min(1.0, (epoch + 1) / 4) * 0.5 ** max(0, epoch - 4)  # noqa: E731
+    module, reference = _module(), _module()
+    opt = ours(_groups(module, 0.01, lr=0.05), lr=0.1, weight_decay=0.01, **kwargs)
+    torch_opt = theirs(_groups(reference, 0.01, lr=0.05), lr=0.1, weight_decay=0.01, **kwargs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    torch_scheduler = torch.optim.lr_scheduler.LambdaLR(torch_opt, schedule)
+    for epoch in range(10):
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx(
+            [0.1 * schedule(epoch), 0.05 * schedule(epoch)], rel=1e-15)
+        assert scheduler.get_last_lr() == torch_scheduler.get_last_lr()
+        _train(module, opt, [epoch])
+        _train(reference, torch_opt, [epoch])
+        scheduler.step()
+        torch_scheduler.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**6)  # epoch 10: six halvings
+    assert _module_diff(module, reference) < 1e-12
+
+
+def test_torch_optimizers_leave_parameters_without_gradients_alone():
+    module = _module()
+    frozen = module[1].weight  # the LayerNorm gain
+    frozen.requires_grad_(False)
+    before = frozen.detach().clone()
+    opt = TorchAdamW(module.parameters(), lr=0.1, weight_decay=0.5)
+    _train(module, opt, range(3))
+    assert torch.equal(frozen, before) and frozen not in opt.state
+    assert opt.state[module[0].weight]["step"] == 3
+
+
+BAD_HYPERPARAMETERS = [  # (AdamW or SGD, keyword arguments, the error)
+    ("adamw", dict(lr=-1e-3), r"lr must be >= 0, got -0.001"),
+    ("adamw", dict(lr=float("nan")), r"lr must be >= 0, got nan"),
+    ("adamw", dict(betas=(1.0, 0.9)), r"betas\[0\] must be in \[0, 1\), got 1.0"),
+    ("adamw", dict(betas=(0.9, -0.1)), r"betas\[1\] must be in \[0, 1\), got -0.1"),
+    ("adamw", dict(betas=(0.9,)), r"betas must be two numbers"),
+    ("adamw", dict(eps=-1e-8), r"eps must be >= 0, got -1e-08"),
+    ("adamw", dict(weight_decay=-0.1), r"weight_decay must be >= 0"),
+    ("sgd", dict(lr=-0.1), r"lr must be >= 0"),
+    ("sgd", dict(momentum=-0.9), r"momentum must be >= 0"),
+    ("sgd", dict(weight_decay=-1.0), r"weight_decay must be >= 0"),
+    ("sgd", dict(momentum=0.0, nesterov=True), r"Nesterov momentum needs momentum > 0"),
+]
+
+
+@pytest.mark.parametrize("kind, kwargs, error", BAD_HYPERPARAMETERS)
+def test_bad_hyperparameters_are_rejected_by_every_front_end(kind, kwargs, error):
+    functional, ours = (AdamW, TorchAdamW) if kind == "adamw" else (SGD, TorchSGD)
+    module = _module()
+    with pytest.raises(ValueError, match=error):
+        functional(_params("numpy"), **kwargs)
+    with pytest.raises(ValueError, match=error):
+        ours(module.parameters(), **kwargs)
+    with pytest.raises(ValueError, match=error):  # in one group only
+        ours([{"params": [module[0].weight]}, {"params": [module[0].bias], **kwargs}])
+
+
+def test_eps_zero_is_allowed_as_in_torch():
+    """eps = 0: Adam's first step is then exactly ±lr (chapter 10 uses it), in both front ends."""
+    params, grads = {"w": np.array([3.0, -0.5])}, {"w": np.array([2.0, -1.0])}
+    new = AdamW(params, lr=0.1, eps=0.0, weight_decay=0.0).step(params, grads)
+    np.testing.assert_allclose(new["w"] - params["w"], [-0.1, 0.1], rtol=1e-14)
+    w = torch.tensor([3.0, -0.5], dtype=torch.float64, requires_grad=True)
+    w.grad = torch.tensor([2.0, -1.0], dtype=torch.float64)
+    TorchAdamW([w], lr=0.1, eps=0.0, weight_decay=0.0).step()
+    assert torch.equal(w.detach(), torch.as_tensor(new["w"]))

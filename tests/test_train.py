@@ -17,7 +17,7 @@ import pytest
 
 from gptlab.backend import to_numpy
 from gptlab.bpe import ByteBPETokenizer
-from gptlab.checkpoint import STATE_FILE, load_checkpoint
+from gptlab.checkpoint import STATE_FILE, load_run_checkpoint
 from gptlab.cli import build_parser
 from gptlab.data import embedded_corpus
 from gptlab.train import TrainConfig, TrainingDiverged, plot_losses, read_log, train
@@ -86,7 +86,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, corpus):
 
     _finish(_gptlab("train", *_cli_args(**config, out_dir=killed_dir, resume=True)))
     _finish(straight)
-    a, b = load_checkpoint(killed_dir), load_checkpoint(tmp_path / "straight")
+    a, b = load_run_checkpoint(killed_dir), load_run_checkpoint(tmp_path / "straight")
     assert a.step == b.step == 60
     diff = max(float(np.max(np.abs(a.params[n] - b.params[n]))) for n in a.params)
     assert diff <= 1e-6
@@ -98,7 +98,7 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
     cfg = TrainConfig(**TINY, data=str(corpus), max_iters=4, checkpoint_interval=2,
                       eval_interval=100, out_dir=str(tmp_path))
     good = train(cfg, progress=False)
-    assert load_checkpoint(tmp_path).step == 4
+    assert load_run_checkpoint(tmp_path).step == 4
     state_before = (tmp_path / STATE_FILE).read_bytes()
     huge = TrainConfig(**{**asdict(cfg), "lr": 1e30, "lr_schedule": "constant", "max_iters": 8,
                           "resume": True})
@@ -106,7 +106,7 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
     with pytest.raises(TrainingDiverged, match=expected):
         train(huge, progress=False)
     assert (tmp_path / STATE_FILE).read_bytes() == state_before
-    ckpt = load_checkpoint(tmp_path)
+    ckpt = load_run_checkpoint(tmp_path)
     assert ckpt.step == 4
     for name, value in good.params.items():
         np.testing.assert_array_equal(ckpt.params[name], to_numpy(value))
@@ -122,7 +122,7 @@ def test_cli_train_writes_logs_and_checkpoint_then_samples(tmp_path, corpus):
     assert all(np.isfinite(row["train_loss"]) and np.isfinite(row["val_loss"]) for row in rows)
     ax = plot_losses(out_dir / "log.jsonl")
     assert len(ax.lines) == 2 and list(ax.lines[1].get_xdata()) == [0, 3, 6]
-    assert load_checkpoint(out_dir).step == 6
+    assert load_run_checkpoint(out_dir).step == 6
 
     sample = _finish(_gptlab("sample", "--checkpoint", str(out_dir), "--prompt", "def",
                              "--max-new-tokens", "12", "--top-k", "5", "--seed", "3"))
@@ -134,7 +134,7 @@ def test_cli_trains_a_bpe_tokenizer_saves_it_and_samples_with_it(tmp_path, corpu
     _finish(_gptlab("train", "--tokenizer", "bpe", "--vocab-size", "300", "--data", str(corpus),
                     "--max-iters", "4", "--eval-interval", "2", "--out-dir", str(out_dir),
                     *_cli_args(**{k: v for k, v in TINY.items()})))
-    ckpt = load_checkpoint(out_dir)
+    ckpt = load_run_checkpoint(out_dir)
     assert isinstance(ckpt.tokenizer, ByteBPETokenizer) and ckpt.tokenizer.vocab_size == 300
     assert ckpt.model_config.vocab_size == 300
     text = corpus.read_text(encoding="utf-8")
