@@ -43,7 +43,6 @@ test: $(STAMP)
 	OMP_NUM_THREADS=2 $(NBVAL) $(UNPINNED)
 
 lab: $(STAMP)
-	$(VENV)/bin/python -c "import jupyterlab" 2>/dev/null || $(VENV)/bin/pip install jupyterlab
 	$(VENV)/bin/jupyter lab book/
 
 # Re-execute every chapter in place (after a change to the package that alters what they print).

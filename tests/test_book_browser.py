@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import functools
 import http.server
-import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -39,20 +37,9 @@ import nbformat
 import pytest
 import yaml
 
+from browser import CHROMIUM, NOT_PROSE, RAW_MATH, SCREENSHOTS
+
 ROOT = Path(__file__).resolve().parent.parent
-SCREENSHOTS = ROOT / "_build" / "screenshots"
-
-
-def _find_chromium() -> str | None:
-    candidates = [os.environ.get("GPTLAB_CHROMIUM"), "/usr/bin/chromium"]
-    candidates += [shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
-CHROMIUM = _find_chromium()
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None,
@@ -213,15 +200,8 @@ def parse_html(markup: str) -> Node:
     return builder.root
 
 
-# Text a reader does not see as prose: code, scripts, and what MathJax produced.
-NOT_PROSE = {"script", "style", "pre", "code", "kbd", "samp", "textarea", "noscript", "template", "svg", "math", "head", "title"}
-
-
 def _not_prose(node: Node) -> bool:
     return node.tag in NOT_PROSE or node.tag.startswith("mjx-")
-
-
-RAW_MATH = [r"$$", r"\begin{", r"\(", r"\["]
 
 
 # --------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from test_book_browser import CHROMIUM, NOT_PROSE, RAW_MATH, SCREENSHOTS
+from browser import CHROMIUM, NOT_PROSE, RAW_MATH, SCREENSHOTS
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = "tests/fixtures/jupyterlab_constructs.ipynb"
