@@ -18,28 +18,43 @@ Face ``tokenizers`` (``BpeTrainer`` with the ``ByteLevel`` pre-tokenizer, no pre
 the same merges in the same order and the same ids. Special tokens take the first ids, then
 come the 256 bytes in the code-point order of their printable characters (``"!"`` first),
 then one id per merge. When two pairs are equally frequent, the pair with the smaller ids
-(first id, then second id) is merged first. Two differences, both deliberate or outside our
-control: special-token strings in the training text are cut out here (Hugging Face trains on
-them as ordinary text; it agrees with us when given the documents between them as a list),
-and the ``regex`` package may know newer Unicode characters than Hugging Face's regex engine,
-which then pre-tokenizes them differently (characters assigned in Python's own Unicode tables
-agree).
+(first id, then second id) is merged first. Special-token strings in the training text are cut
+out here; Hugging Face trains on them as ordinary text, and agrees with us when given the
+documents between them as a list.
+
+GPT-2's own files load and save: ``from_gpt2_files(vocab_path, merges_path)`` reads the
+``vocab.json`` and ``merges.txt`` of any GPT-2 checkpoint (ids in any order, ``<|endoftext|>``
+among the vocabulary), ``save_gpt2_files(directory)`` writes the bytes Hugging Face writes.
+``encode_iterable(chunks)`` encodes a stream with the ids of the joined text (see
+``encode_final`` for what it holds back).
+
+One known difference from Hugging Face, outside our control: both use GPT-2's pattern, but the
+``regex`` package follows a newer Unicode version than Hugging Face's regex engine. A character
+that only the newer version assigns (a letter or digit to us, unassigned to Hugging Face)
+pre-tokenizes differently: "a" + U+0558 + "b" is one pre-token here and three there. With
+``regex`` 2026.11.15 and ``tokenizers`` 0.23.3 that is 17,480 code points, all of them
+unassigned in Python's own tables (``unicodedata``, Unicode 14.0 on Python 3.11); on every
+character Python assigns, the two agree (``tests/test_tokenizer_gpt2_files.py`` checks both).
 """
 
 from __future__ import annotations
 
 import heapq
+import json
 import math
 import operator
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
+from pathlib import Path
 
 import regex
 
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer_base import Tokenizer, split_on_special
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_LOOKAHEAD = 3  # characters GPT2_PATTERN may read from a pre-token's start: 'll, 're, 've
 ENDOFTEXT = "<|endoftext|>"
+GPT2_MERGES_HEADER = "#version: 0.2"  # the first line of GPT-2's merges.txt
 CACHE_SIZE = 100_000  # pre-tokens remembered by ``encode`` before the cache is cleared
 
 Pair = tuple[int, int]
@@ -62,14 +77,6 @@ def bytes_to_unicode() -> dict[int, str]:
 
 BYTE_TO_CHAR = bytes_to_unicode()
 CHAR_TO_BYTE = {ch: b for b, ch in BYTE_TO_CHAR.items()}
-
-
-def split_on_special(text: str, special_tokens: Collection[str]) -> list[str]:
-    """text -> [text, special, text, ..., special, text]: special tokens at the odd positions."""
-    if not special_tokens:
-        return [text]
-    longest_first = sorted(special_tokens, key=len, reverse=True)
-    return regex.split("(" + "|".join(map(regex.escape, longest_first)) + ")", text)
 
 
 def count_words(text: str, pattern: str, special_tokens: Collection[str]) -> Counter[str]:
@@ -176,7 +183,14 @@ class ByteBPETokenizer(Tokenizer):
     """GPT-2's byte-level BPE: ``vocab`` (printable token string -> id), ``merges`` in rank
     order, ``special_tokens`` (string -> id) and the pre-tokenization ``pattern``.
 
-    Train one with ``ByteBPETokenizer.train(text, vocab_size)``.
+    Train one with ``ByteBPETokenizer.train(text, vocab_size)``, or read GPT-2's own files with
+    ``ByteBPETokenizer.from_gpt2_files(vocab_path, merges_path)``. The ids of ``vocab`` and
+    ``special_tokens`` together are 0, 1, ..., V-1 in any order (``train`` gives the special
+    tokens the first ids; GPT-2 gives ``<|endoftext|>`` the last, 50256).
+
+    Special tokens: ``encode(text)`` and ``encode_iterable(chunks)`` treat a special token's
+    string as ordinary text (its bytes); naming it in ``allowed_special`` (or ``"all"``) gives
+    its id. ``decode`` writes a special token's id as its string.
     """
 
     type = "bpe"
@@ -188,7 +202,7 @@ class ByteBPETokenizer(Tokenizer):
         self.special_tokens = dict(special_tokens)
         self.pattern = pattern
         self._check_vocab()
-        self._pretokenize = regex.compile(pattern).findall
+        self._pretokenizer = regex.compile(pattern)
         self._byte_ids = [self.vocab[BYTE_TO_CHAR[b]] for b in range(256)]
         self._id_to_bytes = [b""] * self.vocab_size
         for token, i in self.vocab.items():
@@ -202,11 +216,18 @@ class ByteBPETokenizer(Tokenizer):
 
     def _check_vocab(self) -> None:
         """ValueError unless the ids are 0..V-1, the tokens are byte strings that include every
-        single byte, the special tokens are non-empty and every merge is known."""
-        ids = sorted([*self.vocab.values(), *self.special_tokens.values()])
-        if ids != list(range(len(ids))):
-            raise ValueError("the ids of vocab and special_tokens must be 0, 1, ..., V-1, "
-                             "each once")
+        single byte, the special tokens are non-empty, every merge is known and every other
+        token is made by a merge."""
+        ids = [*self.vocab.values(), *self.special_tokens.values()]
+        not_int = [i for i in ids if type(i) is not int]
+        out_of_range = [i for i in ids if type(i) is int and not 0 <= i < len(ids)]
+        twice = [i for i, n in Counter(ids).items() if n > 1]
+        if not_int or out_of_range or twice:  # else, with V ids in 0..V-1, each occurs once
+            problem = (f"{not_int[0]!r} is not an integer" if not_int else
+                       f"{out_of_range[0]} is out of range" if out_of_range else
+                       f"{twice[0]} occurs {ids.count(twice[0])} times")
+            raise ValueError(f"the ids of vocab and special_tokens must be 0, 1, ..., V-1 = "
+                             f"{len(ids) - 1}, each once: id {problem}")
         not_bytes = [token for token in self.vocab if not token or set(token) - CHAR_TO_BYTE.keys()]
         if not_bytes:
             raise ValueError(f"vocab token {not_bytes[0]!r} is not a string of byte characters "
@@ -221,6 +242,11 @@ class ByteBPETokenizer(Tokenizer):
             if a not in self.vocab or b not in self.vocab or a + b not in self.vocab:
                 raise ValueError(f"merge {[a, b]} uses or makes a token missing from the "
                                  "vocabulary")
+        made = {BYTE_TO_CHAR[b] for b in range(256)} | {a + b for a, b in self.merges}
+        unmade = [token for token in self.vocab if token not in made]
+        if unmade:
+            raise ValueError(f"vocab token {unmade[0]!r} is neither a single byte nor made by a "
+                             f"merge (a special token belongs in special_tokens)")
 
     @classmethod
     def train(cls, text: str, vocab_size: int, special_tokens: Iterable[str] = (ENDOFTEXT,),
@@ -247,37 +273,45 @@ class ByteBPETokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return len(self.vocab) + len(self.special_tokens)
 
-    def encode(self, text: str, allowed_special: Collection[str] | str = ()) -> list[int]:
-        """text -> token ids, pre-token by pre-token.
+    def encode_ordinary(self, text: str) -> list[int]:
+        """text -> token ids, pre-token by pre-token, with no special tokens (see ``encode``)."""
+        require_utf8(text)
+        pieces = self._pretokenizer.findall(text)
+        return [i for piece in pieces for i in self._encode_pretoken(piece)]
 
-        The special tokens named in ``allowed_special`` (``"all"``: every one) become their own
-        ids; by default a special token's string is ordinary text and is encoded as its bytes,
-        so text from outside can never forge an end-of-text marker.
+    def encode_final(self, text: str) -> tuple[int, list[int]]:
+        """(n, ids): the pre-tokens that no continuation of ``text`` can change, n characters.
+
+        With GPT-2's pattern a pre-token is final once another follows it and it starts at least
+        ``GPT2_LOOKAHEAD`` characters before the end of the text. The last pre-token may still
+        grow (a longer word or number, a longer run of spaces) or shrink (``\\s+(?!\\S)`` hands
+        a run's last space to a word that follows), and one that starts within 3 characters of
+        the end may still become a contraction: ``"'l"`` is two pre-tokens, ``"'ll"`` one. So
+        ``encode_iterable`` holds back the last pre-token and any that starts among the last 2
+        characters: at most the longer of the last pre-token and 2 characters.
         """
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise ValueError(f"cannot encode {text[err.start]!r} at position {err.start}: "
-                             f"{err.reason}") from None
-        ids = []
-        for k, chunk in enumerate(split_on_special(text, self._allowed(allowed_special))):
-            if k % 2:
-                ids.append(self.special_tokens[chunk])
-            else:
-                for piece in self._pretokenize(chunk):
-                    ids.extend(self._encode_pretoken(piece))
-        return ids
+        self._require_gpt2_pattern("encode_final")
+        require_utf8(text)
+        n, ids = 0, []
+        for match in self._pretokenizer.finditer(text):
+            if match.end() == len(text) or match.start() > len(text) - GPT2_LOOKAHEAD:
+                break
+            n = match.end()
+            ids += self._encode_pretoken(match.group())
+        return n, ids
 
-    def _allowed(self, allowed_special: Collection[str] | str) -> set[str]:
-        """``"all"``, one special token or a collection of them -> the set of special tokens."""
-        if allowed_special == "all":
-            return set(self.special_tokens)
-        allowed = {allowed_special} if isinstance(allowed_special, str) else set(allowed_special)
-        unknown = sorted(allowed - self.special_tokens.keys())
-        if unknown:
-            raise ValueError(f"not special tokens of this tokenizer: {unknown}; "
-                             f"expected 'all' or some of {sorted(self.special_tokens)}")
-        return allowed
+    def encode_iterable(self, chunks: Iterable[str],
+                        allowed_special: Collection[str] | str = ()) -> Iterator[int]:
+        """``Tokenizer.encode_iterable``: the ids of ``encode("".join(chunks), allowed_special)``,
+        lazily, with memory bounded by the longest pre-token. Only with ``GPT2_PATTERN``, whose
+        lookahead ``encode_final`` knows."""
+        self._require_gpt2_pattern("encode_iterable")
+        return super().encode_iterable(chunks, allowed_special)
+
+    def _require_gpt2_pattern(self, what: str) -> None:
+        if self.pattern != GPT2_PATTERN:
+            raise ValueError(f"{what} works with GPT2_PATTERN only; this tokenizer pre-tokenizes "
+                             f"with {self.pattern!r}")
 
     def _encode_pretoken(self, piece: str) -> list[int]:
         """One pre-token -> ids: merge the lowest-ranked pair present until none applies."""
@@ -320,23 +354,106 @@ class ByteBPETokenizer(Tokenizer):
         keys = ("vocab", "merges", "special_tokens", "pattern")
         if not (isinstance(data, dict) and data.get("type") == cls.type
                 and all(key in data for key in keys)):
+            kind = data.get("type") if isinstance(data, dict) else None
             raise ValueError(f"not a byte-level BPE tokenizer: expected type {cls.type!r} and "
-                             f"the fields {list(keys)}")
+                             f"the fields {list(keys)}, got type {kind!r}")
         return cls(data["vocab"], data["merges"], data["special_tokens"], data["pattern"])
 
     @classmethod
-    def load(cls, path) -> ByteBPETokenizer:
-        """Read a tokenizer JSON file written by ``save`` (``load_tokenizer``, for BPE only)."""
-        tokenizer = load_tokenizer(path)
-        if not isinstance(tokenizer, cls):
-            raise ValueError(f"{path}: holds a {type(tokenizer).__name__}, not a {cls.__name__}")
-        return tokenizer
+    def from_gpt2_files(cls, vocab_path, merges_path,
+                        special_tokens: Iterable[str] = (ENDOFTEXT,)) -> ByteBPETokenizer:
+        """Read GPT-2's own tokenizer files, as every GPT-2 checkpoint ships them (and as
+        ``save_gpt2_files`` or Hugging Face's ``save_model`` write them).
+
+        ``vocab.json`` maps each token, spelled in ``bytes_to_unicode`` characters, to its id,
+        special tokens included; ``merges.txt`` holds an optional first line ``#version: 0.2``,
+        then one merge ``a b`` per line in rank order. Special tokens are recognised by name:
+        they are the entries named in ``special_tokens`` (by default GPT-2's only one,
+        ``<|endoftext|>``; pass ``()`` for files without any). Each must be in vocab.json, and
+        every other entry must be a single byte or made by a merge. The pattern is
+        ``GPT2_PATTERN``: the files do not record one.
+        """
+        vocab, merges = read_gpt2_vocab(vocab_path), read_gpt2_merges(merges_path)
+        special_tokens = list(dict.fromkeys(special_tokens))
+        missing = [token for token in special_tokens if token not in vocab]
+        if missing:
+            raise ValueError(f"{vocab_path}: no special token {missing[0]!r} in the vocabulary; "
+                             f"special_tokens must name those it holds (() for none)")
+        try:
+            return cls({token: i for token, i in vocab.items() if token not in special_tokens},
+                       merges, {token: vocab[token] for token in special_tokens})
+        except ValueError as err:
+            raise ValueError(f"{vocab_path} with {merges_path}: {err}") from err
+
+    def save_gpt2_files(self, directory) -> tuple[Path, Path]:
+        """Write ``vocab.json`` and ``merges.txt`` in GPT-2's format into ``directory`` (made if
+        missing), special tokens in vocab.json with their ids; return the two paths.
+
+        The bytes are those Hugging Face's ``save_model`` writes: compact JSON in id order with
+        non-ASCII characters as they are, and ``#version: 0.2`` above the merges. The files have
+        no place for a pattern, so the tokenizer's must be ``GPT2_PATTERN``.
+        """
+        self._require_gpt2_pattern("save_gpt2_files")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tokens = {**self.vocab, **self.special_tokens}
+        vocab = dict(sorted(tokens.items(), key=lambda item: item[1]))  # in id order
+        lines = [GPT2_MERGES_HEADER, *(f"{a} {b}" for a, b in self.merges)]
+        vocab_path, merges_path = directory / "vocab.json", directory / "merges.txt"
+        vocab_path.write_text(json.dumps(vocab, ensure_ascii=False, separators=(",", ":")),
+                              encoding="utf-8")
+        merges_path.write_text("".join(line + "\n" for line in lines), encoding="utf-8",
+                               newline="\n")
+        return vocab_path, merges_path
 
     def __repr__(self) -> str:
         return (f"ByteBPETokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
                 f"special_tokens={list(self.special_tokens)})")
 
 
-__all__ = ["ByteBPETokenizer", "GPT2_PATTERN", "ENDOFTEXT", "BYTE_TO_CHAR", "CHAR_TO_BYTE",
-           "bytes_to_unicode", "split_on_special", "count_words", "count_pairs", "merge_pair",
-           "pop_best_pair", "apply_merge", "learn_merges"]
+def require_utf8(text: str) -> None:
+    """ValueError naming the first character of ``text`` that UTF-8 cannot encode (a surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"cannot encode {text[err.start]!r} at position {err.start}: "
+                         f"{err.reason}") from None
+
+
+def read_gpt2_vocab(path) -> dict[str, int]:
+    """GPT-2's vocab.json -> {token: id}; ValueError naming the file if it is not a JSON object
+    of integer ids."""
+    try:
+        vocab = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a JSON vocabulary ({err})") from err
+    if not (isinstance(vocab, dict) and all(type(i) is int for i in vocab.values())):
+        raise ValueError(f"{path}: expected a JSON object mapping each token to an integer id")
+    return vocab
+
+
+def read_gpt2_merges(path) -> list[tuple[str, str]]:
+    """GPT-2's merges.txt -> [(a, b), ...] in rank order; a malformed line is a ValueError that
+    names the file and the line."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err})") from err
+    if lines[-1] == "":  # the newline that ends the last line
+        lines.pop()
+    merges = []
+    for number, line in enumerate(lines, start=1):
+        if number == 1 and line.startswith("#version"):
+            continue
+        merge = tuple(line.split(" "))
+        if len(merge) != 2 or not all(merge):
+            raise ValueError(f"{path}, line {number}: expected a merge 'a b' (two tokens, one "
+                             f"space between), got {line!r}")
+        merges.append(merge)
+    return merges
+
+
+__all__ = ["ByteBPETokenizer", "GPT2_PATTERN", "GPT2_LOOKAHEAD", "ENDOFTEXT", "BYTE_TO_CHAR",
+           "CHAR_TO_BYTE", "bytes_to_unicode", "split_on_special", "count_words", "count_pairs",
+           "merge_pair", "pop_best_pair", "apply_merge", "learn_merges", "read_gpt2_vocab",
+           "read_gpt2_merges"]

@@ -2,54 +2,28 @@
 
 ``CharTokenizer`` maps each character of the training text to its rank in the sorted set of
 characters: the smallest vocabulary that covers the text, and the one the book trains first.
-Every tokenizer is a ``Tokenizer`` (``encode``, ``decode``, ``vocab_size``, ``to_dict``) and
-saves to a JSON file whose ``"type"`` field names its class, so ``load_tokenizer`` can read any
-of them back (``tokenizer_types`` lists the classes: characters here, byte-level BPE in
-``gptlab.bpe``).
+Every tokenizer is a ``Tokenizer`` (``gptlab.tokenizer_base``: ``encode``, ``encode_iterable``,
+``decode``, ``vocab_size``, ``to_dict``, and the special-token policy) and saves to a JSON file
+whose ``"type"`` field names its class, so ``load_tokenizer`` can read any of them back
+(``tokenizer_types`` lists the classes: characters here, byte-level BPE in ``gptlab.bpe``).
+
+The modules import downwards only: ``tokenizer_base`` <- ``bpe`` <- ``tokenizer``.
 """
 
 from __future__ import annotations
 
-import json
-from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from pathlib import Path
 
-
-class Tokenizer(ABC):
-    """The interface every tokenizer implements."""
-
-    type: str  # the "type" field of the saved JSON
-
-    @property
-    @abstractmethod
-    def vocab_size(self) -> int: ...
-
-    @abstractmethod
-    def encode(self, text: str) -> list[int]: ...
-
-    @abstractmethod
-    def decode(self, ids: Iterable[int]) -> str: ...
-
-    @abstractmethod
-    def to_dict(self) -> dict:
-        """A JSON-friendly dict with a ``"type"`` field; ``from_dict`` inverts it."""
-
-    @classmethod
-    @abstractmethod
-    def from_dict(cls, data: dict) -> Tokenizer: ...
-
-    def to_json(self) -> str:
-        """``to_dict()`` as JSON text, non-ASCII tokens kept readable."""
-        return json.dumps(self.to_dict(), ensure_ascii=False)
-
-    def save(self, path) -> None:
-        """Write ``to_json()`` to ``path``."""
-        Path(path).write_text(self.to_json(), encoding="utf-8")
+from .bpe import ByteBPETokenizer
+from .tokenizer_base import Tokenizer, read_tokenizer_file
 
 
 class CharTokenizer(Tokenizer):
-    """One token per character: id = rank of the character in the sorted vocabulary."""
+    """One token per character: id = rank of the character in the sorted vocabulary.
+
+    It has no special tokens: ``encode(text, allowed_special)`` accepts ``()`` and ``"all"``
+    (both mean none) and rejects any name, as every tokenizer does for a name it lacks.
+    """
 
     type = "char"
 
@@ -63,6 +37,7 @@ class CharTokenizer(Tokenizer):
             raise ValueError("a CharTokenizer vocabulary must be sorted and free of duplicates")
         self.chars = chars
         self.ids = {ch: i for i, ch in enumerate(chars)}
+        self.special_tokens = {}
 
     @classmethod
     def from_text(cls, text: str) -> CharTokenizer:
@@ -73,7 +48,8 @@ class CharTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return len(self.chars)
 
-    def encode(self, text: str) -> list[int]:
+    def encode_ordinary(self, text: str) -> list[int]:
+        """text -> one id per character; ValueError naming the characters outside the vocabulary."""
         unknown = sorted(set(text) - self.ids.keys())
         if unknown:
             first = text.index(unknown[0])
@@ -98,8 +74,10 @@ class CharTokenizer(Tokenizer):
 
     @classmethod
     def from_dict(cls, data: dict) -> CharTokenizer:
-        if data.get("type") != cls.type or "chars" not in data:
-            raise ValueError(f"not a char tokenizer: expected type {cls.type!r} and a 'chars' list")
+        if not (isinstance(data, dict) and data.get("type") == cls.type and "chars" in data):
+            kind = data.get("type") if isinstance(data, dict) else None
+            raise ValueError(f"not a char tokenizer: expected type {cls.type!r} and a 'chars' "
+                             f"list, got type {kind!r}")
         return cls(data["chars"])
 
     def __repr__(self) -> str:
@@ -108,8 +86,6 @@ class CharTokenizer(Tokenizer):
 
 def tokenizer_types() -> dict[str, type[Tokenizer]]:
     """Every tokenizer class by the ``"type"`` name of its JSON files."""
-    from .bpe import ByteBPETokenizer  # imported late: gptlab.bpe builds on this module
-
     return {CharTokenizer.type: CharTokenizer, ByteBPETokenizer.type: ByteBPETokenizer}
 
 
@@ -123,15 +99,8 @@ def tokenizer_from_dict(data: dict) -> Tokenizer:
 
 
 def load_tokenizer(path) -> Tokenizer:
-    """Read a tokenizer JSON file written by ``Tokenizer.save``."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not a tokenizer JSON file ({err})") from err
-    try:
-        return tokenizer_from_dict(data)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from err
+    """Read a tokenizer JSON file written by ``Tokenizer.save``, of any kind."""
+    return read_tokenizer_file(path, tokenizer_from_dict)
 
 
 __all__ = ["Tokenizer", "CharTokenizer", "tokenizer_types", "tokenizer_from_dict", "load_tokenizer"]

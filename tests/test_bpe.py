@@ -290,7 +290,7 @@ def test_save_load_round_trip(tok, tmp_path):
     assert load_tokenizer(path).to_dict() == data
     char_path = tmp_path / "char.json"
     CharTokenizer.from_text("abc").save(char_path)
-    with pytest.raises(ValueError, match="holds a CharTokenizer, not a ByteBPETokenizer"):
+    with pytest.raises(ValueError, match="char.json: not a byte-level BPE .* got type 'char'"):
         ByteBPETokenizer.load(char_path)
     (tmp_path / "junk.json").write_bytes(b"\x80\x81 not json")
     with pytest.raises(ValueError, match="junk.json: not a tokenizer JSON file"):
@@ -308,7 +308,12 @@ def test_from_dict_rejects_broken_data(tok):
     cases = {
         "not a byte-level BPE tokenizer": broken(data, type="char"),
         "expected type 'bpe' and the fields": {k: v for k, v in data.items() if k != "merges"},
-        "0, 1, ..., V-1, each once": broken(data, special_tokens={ENDOFTEXT: 10_000}),
+        r"0, 1, ..., V-1 = 399, each once: id 10000 is out of range":
+            broken(data, special_tokens={ENDOFTEXT: 10_000}),
+        "each once: id 1 occurs 2 times": broken(data, special_tokens={ENDOFTEXT: 1}),
+        "each once: id '0' is not an integer": broken(data, special_tokens={ENDOFTEXT: "0"}),
+        r"'<pad>' is neither a single byte nor made by a merge \(a special token belongs":
+            broken(data, vocab={**vocab, "<pad>": 0}, special_tokens={}),
         "lacks 1 single-byte tokens": broken(data, vocab={**without_bang, "!!": 1}),
         "not a string of byte characters": broken(data, vocab={**vocab, "\u4e2d": len(vocab) + 1}),
         "special tokens must be non-empty": broken(data, special_tokens={"": 0}),
