@@ -701,7 +701,8 @@ def _assert_matches_torch(backend, forward, backward, inputs, reference, *, rtol
 def test_rmsnorm_matches_torch(backend, rng, eps):
     x, w = rng.standard_normal((B, T, C)), 1 + rng.standard_normal(C)
     _assert_matches_torch(backend, rmsnorm_forward, rmsnorm_backward, (x, w),
-                          lambda x, w: torch.nn.functional.rms_norm(x, (C,), w, eps=eps), eps=eps)  # fmt: skip
+                          lambda x, w: torch.nn.functional.rms_norm(x, (C,), w, eps=eps),
+                          eps=eps)  # fmt: skip
 
 
 def test_rmsnorm_of_a_zero_mean_row_is_layernorm(backend, rng):
@@ -735,9 +736,11 @@ def test_silu_never_overflows(backend):
 
 
 def test_swiglu_matches_torch(backend, rng):
-    silu = torch.nn.functional.silu
+    def reference(x, w_gate, w_up, w_down):
+        return (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
     _assert_matches_torch(backend, swiglu_forward, swiglu_backward, _swiglu_args(rng, H=5),
-                          lambda x, w_gate, w_up, w_down: (silu(x @ w_gate) * (x @ w_up)) @ w_down)  # fmt: skip
+                          reference)
 
 
 def _rope_rotate_half(x, start, base):
@@ -801,13 +804,14 @@ def test_rope_rotation_matrix_is_chapter_2s_staircase(backend, rng):
     with the coordinates reordered (pair i = (i, i + hs/2) instead of (2i, 2i + 1)). rope_forward
     applies R(start + t) to row t."""
     hs, like = 6, backend.asarray(np.zeros(()))
-    half_order = np.concatenate([np.arange(0, hs, 2), np.arange(1, hs, 2)])  # rotate_half -> adjacent
+    half_order = np.concatenate([np.arange(0, hs, 2), np.arange(1, hs, 2)])  # (hs,) pairs i, i+hs/2
 
     def R(t, pairing):
         return to_host(rope_rotation_matrix(t, hs, base=30.0, pairing=pairing, like=like))
 
     for t in range(-3, 4):
-        adjacent, shift = R(t, "adjacent"), to_host(position_shift_matrix(t, hs, base=30.0, like=like))
+        adjacent = R(t, "adjacent")
+        shift = to_host(position_shift_matrix(t, hs, base=30.0, like=like))  # M_t of chapter 2
         np.testing.assert_allclose(adjacent, shift.T, rtol=1e-13, atol=1e-14)
         np.testing.assert_allclose(R(t, "rotate_half"), adjacent[np.ix_(half_order, half_order)],
                                    rtol=1e-13, atol=1e-14)  # fmt: skip
@@ -833,10 +837,10 @@ def test_llama_blocks_match_hugging_face(monkeypatch, rng):
     transformers = pytest.importorskip("transformers")
     llama = pytest.importorskip("transformers.models.llama.modeling_llama")
     hidden, inter, n_head, start = 8, 12, 2, 3
+    rope = {"rope_type": "default", "rope_theta": 500.0}
     cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter,
                                    num_attention_heads=n_head, num_key_value_heads=n_head,
-                                   rms_norm_eps=1e-6,
-                                   rope_parameters={"rope_type": "default", "rope_theta": 500.0})  # fmt: skip
+                                   rms_norm_eps=1e-6, rope_parameters=rope)  # fmt: skip
     x = rng.standard_normal((B, T, hidden))
     tx = torch.tensor(x)
 
@@ -847,7 +851,8 @@ def test_llama_blocks_match_hugging_face(monkeypatch, rng):
     np.testing.assert_allclose(y, norm(tx).detach().numpy(), rtol=1e-6, atol=1e-6)
 
     mlp = llama.LlamaMLP(cfg).double()
-    weights = [proj.weight.detach().numpy().T for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    weights = [proj.weight.detach().numpy().T for proj in projections]  # (out, in) -> (in, out)
     y, _ = swiglu_forward(x, *weights)
     np.testing.assert_allclose(y, mlp(tx).detach().numpy(), rtol=1e-13, atol=1e-14)
 
