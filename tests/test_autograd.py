@@ -47,6 +47,12 @@ CASES = [
     ("block", lambda r: (r.normal(size=(2, 3, C)), _block_p(r)),
      {"n_head": 2, "ln_order": "post", "gelu": "none", "dropout": 0.2, "seed": 3}),
     ("cross_entropy", lambda r: (r.normal(size=(2, 3, 7)), r.integers(0, 7, size=(2, 3))), {}),
+    ("rmsnorm", lambda r: (r.normal(size=(2, 3, C)), r.normal(size=C)), {"eps": 1e-6}),
+    ("silu", lambda r: (r.normal(size=(2, 3, C)),), {}),
+    ("swiglu", lambda r: (r.normal(size=(2, 3, C)), r.normal(size=(C, 6)), r.normal(size=(C, 6)),
+                          r.normal(size=(6, C))), {}),
+    ("rope", lambda r: (r.normal(size=(2, 2, 3, C)),), {}),
+    ("rope", lambda r: (r.normal(size=(2, 2, 3, C)),), {"start": 4, "pairing": "adjacent"}),
 ]  # fmt: skip
 CASE_IDS = [f"{name}-{i}" for i, (name, _, _) in enumerate(CASES)]
 

@@ -23,8 +23,12 @@ from gptlab.layers.mlp import mlp_forward
 from gptlab.layers.position_learned import position_learned_forward
 from gptlab.layers.position_sinusoidal import position_sinusoidal_forward
 from gptlab.layers.relu import relu_forward
+from gptlab.layers.rmsnorm import rmsnorm_forward
+from gptlab.layers.rope import rope_forward
 from gptlab.layers.sdpa import sdpa_forward
+from gptlab.layers.silu import silu_forward
 from gptlab.layers.softmax import softmax_forward
+from gptlab.layers.swiglu import swiglu_forward
 
 B, T, C, NH, V = 2, 3, 4, 2, 5
 
@@ -184,6 +188,40 @@ def test_position_sinusoidal_needs_an_even_width(F):
         position_sinusoidal_forward(F(B, T, 3))
 
 
+def test_rmsnorm_gain_must_match_width(F):
+    with pytest.raises(ValueError, match=re.escape("w has shape (5,), expected (4,)")):
+        rmsnorm_forward(F(B, T, C), F(C + 1))
+
+
+def test_swiglu_weights_must_chain(F):
+    with pytest.raises(ValueError, match=re.escape("w_gate has shape (5, 6), expected (4, *)")):
+        swiglu_forward(F(B, T, C), F(C + 1, 6), F(C, 6), F(6, C))
+    with pytest.raises(ValueError, match=re.escape("w_up has shape (4, 5), expected (4, 6)")):
+        swiglu_forward(F(B, T, C), F(C, 6), F(C, 5), F(6, C))
+    with pytest.raises(ValueError, match=re.escape("w_down has shape (5, 4), expected (6, *)")):
+        swiglu_forward(F(B, T, C), F(C, 6), F(C, 6), F(5, C))
+
+
+def test_rope_needs_pairs_and_positions(F):
+    message = "rope needs an even head size to form pairs: x has shape (2, 3, 5), (..., T, hs) with hs=5"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rope_forward(F(B, T, 5))
+    with pytest.raises(ValueError, match=re.escape("x must have at least 2 dimensions, got shape (4,)")):
+        rope_forward(F(C))
+
+
+@pytest.mark.parametrize("hyper, message", [
+    ({"pairing": "gptj"}, "pairing must be one of ('rotate_half', 'adjacent'), got 'gptj'"),
+    ({"start": 2.0}, "start must be an integer position, got 2.0"),
+    ({"start": True}, "start must be an integer position, got True"),
+    ({"base": 0.0}, "base must be a positive number, got 0.0"),
+    ({"base": float("inf")}, "base must be a positive number, got inf"),
+])  # fmt: skip
+def test_rope_hyperparameters_are_checked(F, hyper, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rope_forward(F(B, T, C), **hyper)
+
+
 def test_block_reports_missing_parameters(F):
     with pytest.raises(ValueError, match=r"block parameters missing: \['ln_1.weight'"):
         block_forward(F(B, T, C), {}, n_head=NH)
@@ -221,6 +259,12 @@ def test_block_ln_order_is_checked(F):
         ("wte", lambda F, i: embedding_forward(F.int(V, B, T), F.int(3, V, C))),
         ("x", lambda F, i: position_sinusoidal_forward(i)),
         ("x", lambda F, i: position_learned_forward(i, F(8, C))),
+        ("x", lambda F, i: rmsnorm_forward(i, F(C))),
+        ("w", lambda F, i: rmsnorm_forward(F(B, T, C), F.int(3, C))),
+        ("x", lambda F, i: silu_forward(i)),
+        ("x", lambda F, i: swiglu_forward(i, F(C, 6), F(C, 6), F(6, C))),
+        ("w_down", lambda F, i: swiglu_forward(F(B, T, C), F(C, 6), F(C, 6), F.int(3, 6, C))),
+        ("x", lambda F, i: rope_forward(i)),
     ],
 )
 def test_integer_arrays_where_floats_are_needed(F, name, call):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -63,9 +64,14 @@ from gptlab.layers.position_sinusoidal import (
     position_sinusoidal_backward,
     position_sinusoidal_forward,
 )
+from gptlab.layers.position_sinusoidal import position_shift_matrix
 from gptlab.layers.relu import relu_backward, relu_forward
+from gptlab.layers.rmsnorm import rmsnorm_backward, rmsnorm_forward
+from gptlab.layers.rope import ROPE_PAIRINGS, rope_backward, rope_forward, rope_rotation_matrix
 from gptlab.layers.sdpa import sdpa_backward, sdpa_forward
+from gptlab.layers.silu import silu_backward, silu_forward
 from gptlab.layers.softmax import softmax_backward, softmax_forward, softmax_jacobian
+from gptlab.layers.swiglu import swiglu_backward, swiglu_forward
 
 B, T, C, NH, V, BLOCK_SIZE, HS = 2, 3, 4, 2, 5, 5, 3  # tiny shapes: batch, time, width, ...
 TOL_FLOAT64 = 1e-7
@@ -151,6 +157,14 @@ def _mlp_args(rng):
             _normal(rng, 4 * C, C), _normal(rng, C))  # fmt: skip
 
 
+def _swiglu_args(rng, H=6):
+    return (_normal(rng, B, T, C), 0.5 * _normal(rng, C, H), 0.5 * _normal(rng, C, H),
+            0.5 * _normal(rng, H, C))  # fmt: skip
+
+
+ROPE_HS = 6  # an even head size: RoPE turns pairs of coordinates
+
+
 CASES = [
     Case("embedding", embedding_forward, embedding_backward,
          lambda rng: (_ids(rng, V, B, T), _normal(rng, V, C))),
@@ -230,6 +244,18 @@ CASES = [
          {"n_head": NH, "ln_order": "post", "dropout": 0.25, "seed": 3}),
     Case("cross_entropy", cross_entropy_forward, cross_entropy_backward,
          lambda rng: (2 * _normal(rng, B, T, V), _ids(rng, V, B, T))),
+    # issue 14: RMSNorm, SiLU, SwiGLU, RoPE
+    Case("rmsnorm", rmsnorm_forward, rmsnorm_backward,
+         lambda rng: (_normal(rng, B, T, C), 1 + _normal(rng, C)), {"eps": 1e-6}),
+    Case("silu", silu_forward, silu_backward, lambda rng: (3 * _normal(rng, B, T, C),)),
+    Case("swiglu", swiglu_forward, swiglu_backward, _swiglu_args),
+    Case("rope", rope_forward, rope_backward, lambda rng: (_normal(rng, B, NH, T, ROPE_HS),)),
+    Case("rope_start", rope_forward, rope_backward,
+         lambda rng: (_normal(rng, B, NH, T, ROPE_HS),), {"start": 5}),
+    Case("rope_adjacent_start", rope_forward, rope_backward,
+         lambda rng: (_normal(rng, B, NH, T, ROPE_HS),), {"pairing": "adjacent", "start": 5}),
+    Case("rope_no_lead_base", rope_forward, rope_backward, lambda rng: (_normal(rng, T, 4),),
+         {"base": 100.0, "start": 2, "pairing": "adjacent"}),
 ]  # fmt: skip
 CASE_IDS = [case.id for case in CASES]
 
@@ -647,3 +673,193 @@ def test_every_layer_module_is_in_the_table():
     modules = {p.stem for p in Path(gptlab.layers.__file__).parent.glob("*.py")} - {"__init__"}
     covered = {case.forward.__module__.rsplit(".", 1)[-1] for case in CASES}
     assert modules <= covered, f"layers without a gradient check: {sorted(modules - covered)}"
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 14: RMSNorm, SiLU, SwiGLU and RoPE against independent torch formulations, and RoPE's
+# relative positions
+
+
+def _assert_matches_torch(backend, forward, backward, inputs, reference, *, rtol=1e-12,
+                          atol=1e-13, **hyperparams):  # fmt: skip
+    """Our forward and backward on the backend equal ``reference`` (plain float64 torch) and the
+    torch autograd of ``reference``, for the loss sum(out * dout)."""
+    out, cache = forward(*map(backend.asarray, inputs), **hyperparams)
+    dout = np.random.default_rng(1).standard_normal(tuple(out.shape))
+    grads = backward(backend.asarray(dout), cache)
+    leaves = [torch.tensor(a, requires_grad=True) for a in inputs]
+    want = reference(*leaves)
+    want.backward(torch.tensor(dout))
+    np.testing.assert_allclose(to_host(out), want.detach().numpy(), rtol=rtol, atol=atol,
+                               err_msg="forward")  # fmt: skip
+    for i, (grad, leaf) in enumerate(zip(grads, leaves, strict=True)):
+        np.testing.assert_allclose(to_host(grad), leaf.grad.numpy(), rtol=rtol, atol=atol,
+                                   err_msg=f"grad of input {i}")  # fmt: skip
+
+
+@pytest.mark.parametrize("eps", [1e-6, 0.5])
+def test_rmsnorm_matches_torch(backend, rng, eps):
+    x, w = rng.standard_normal((B, T, C)), 1 + rng.standard_normal(C)
+    _assert_matches_torch(backend, rmsnorm_forward, rmsnorm_backward, (x, w),
+                          lambda x, w: torch.nn.functional.rms_norm(x, (C,), w, eps=eps),
+                          eps=eps)  # fmt: skip
+
+
+def test_rmsnorm_of_a_zero_mean_row_is_layernorm(backend, rng):
+    """LayerNorm without its bias is RMSNorm after subtracting the mean: on rows of mean 0 the
+    two agree, on other rows they do not."""
+    x, w = rng.standard_normal((B, T, C)), rng.standard_normal(C)
+    centred = x - x.mean(axis=-1, keepdims=True)
+    y_ln, _ = layernorm_forward(backend.asarray(x), backend.asarray(w), eps=1e-5)
+    y_rms, _ = rmsnorm_forward(backend.asarray(centred), backend.asarray(w), eps=1e-5)
+    np.testing.assert_allclose(to_host(y_rms), to_host(y_ln), rtol=1e-13, atol=1e-14)
+    y_rms_raw, _ = rmsnorm_forward(backend.asarray(x), backend.asarray(w), eps=1e-5)
+    assert not np.allclose(to_host(y_rms_raw), to_host(y_ln))
+
+
+def test_silu_matches_torch(backend):
+    x = np.linspace(-40.0, 40.0, 161)
+    _assert_matches_torch(backend, silu_forward, silu_backward, (x,), torch.nn.functional.silu,
+                          rtol=1e-14, atol=1e-15)  # fmt: skip
+
+
+def test_silu_never_overflows(backend):
+    """The sigmoid comes from exp(-|x|): far out, silu is 0 or x and its slope 0 or 1, with no
+    overflow warning (x / (1 + exp(-x)) would overflow exp for x < -709)."""
+    x = backend.asarray(np.array([-1e4, -800.0, 800.0, 1e4]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y, cache = silu_forward(x)
+        (dx,) = silu_backward(backend.asarray(np.ones(4)), cache)
+    np.testing.assert_array_equal(to_host(y), [0.0, 0.0, 800.0, 1e4])
+    np.testing.assert_array_equal(to_host(dx), [0.0, 0.0, 1.0, 1.0])
+
+
+def test_swiglu_matches_torch(backend, rng):
+    def reference(x, w_gate, w_up, w_down):
+        return (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+    _assert_matches_torch(backend, swiglu_forward, swiglu_backward, _swiglu_args(rng, H=5),
+                          reference)
+
+
+def _rope_rotate_half(x, start, base):
+    """Hugging Face's LLaMA RoPE (LlamaRotaryEmbedding + apply_rotary_pos_emb) in plain torch."""
+    T_, hs = x.shape[-2:]
+    inv_freq = 1.0 / base ** (torch.arange(0, hs, 2, dtype=torch.float64) / hs)  # (hs/2,)
+    freqs = torch.outer(torch.arange(start, start + T_, dtype=torch.float64), inv_freq)  # (T, hs/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
+    rotate_half = torch.cat((-x[..., hs // 2 :], x[..., : hs // 2]), dim=-1)  # (..., T, hs)
+    return x * emb.cos() + rotate_half * emb.sin()
+
+
+def _rope_complex(x, start, base):
+    """The paper's adjacent pairs as complex numbers, as Meta's LLaMA code writes it:
+    (x[2i] + i x[2i+1]) * exp(i t theta_i)."""
+    T_, hs = x.shape[-2:]
+    theta = base ** (-torch.arange(0, hs, 2, dtype=torch.float64) / hs)  # (hs/2,)
+    angles = torch.outer(torch.arange(start, start + T_, dtype=torch.float64), theta)  # (T, hs/2)
+    z = torch.view_as_complex(x.reshape(*x.shape[:-1], hs // 2, 2))  # (..., T, hs/2)
+    turned = z * torch.polar(torch.ones_like(angles), angles)  # (..., T, hs/2)
+    return torch.view_as_real(turned).reshape(x.shape)  # (..., T, hs)
+
+
+@pytest.mark.parametrize("pairing, reference", [("rotate_half", _rope_rotate_half),
+                                                ("adjacent", _rope_complex)])  # fmt: skip
+@pytest.mark.parametrize("start, base", [(0, 10000.0), (7, 10000.0), (3, 500.0)])
+def test_rope_matches_torch_formulas(backend, rng, pairing, reference, start, base):
+    x = rng.standard_normal((B, NH, 5, 8))
+    _assert_matches_torch(backend, rope_forward, rope_backward, (x,),
+                          lambda x: reference(x, start, base), start=start, base=base,
+                          pairing=pairing)  # fmt: skip
+
+
+@pytest.mark.parametrize("pairing", ROPE_PAIRINGS)
+def test_rope_scores_depend_on_the_offset_only(backend, rng, pairing):
+    """The same query vector at every position and the same key vector at every position: after
+    RoPE the score of query t and key s depends on s - t alone (every diagonal of the score
+    matrix is constant, and equals q^T R(s - t) k), and shifting all positions changes nothing.
+    Without RoPE every score would be the same; with it they vary with the offset."""
+    Tn, hs = 7, 8
+    q, k = np.tile(rng.standard_normal(hs), (Tn, 1)), np.tile(rng.standard_normal(hs), (Tn, 1))
+
+    def scores(start):
+        q_rot, _ = rope_forward(backend.asarray(q), start=start, pairing=pairing)  # (T, hs)
+        k_rot, _ = rope_forward(backend.asarray(k), start=start, pairing=pairing)  # (T, hs)
+        return to_host(q_rot @ k_rot.mT)  # (T, T)
+
+    S = scores(0)
+    np.testing.assert_allclose(S[1:, 1:], S[:-1, :-1], rtol=1e-12, atol=1e-13)
+    like = backend.asarray(np.zeros(()))
+    for offset in range(-(Tn - 1), Tn):
+        R = to_host(rope_rotation_matrix(offset, hs, pairing=pairing, like=like))
+        np.testing.assert_allclose(np.diagonal(S, offset), q[0] @ R @ k[0], rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(scores(11), S, rtol=1e-12, atol=1e-13)
+    assert np.ptp(S[0]) > 0.1
+
+
+def test_rope_rotation_matrix_is_chapter_2s_staircase(backend, rng):
+    """R(t) is orthogonal, R(t) = R(1)^t, R(t)^T R(s) = R(s - t); for adjacent pairs it is the
+    transpose of the sinusoidal encoding's shift matrix M_t, and rotate_half is the same matrix
+    with the coordinates reordered (pair i = (i, i + hs/2) instead of (2i, 2i + 1)). rope_forward
+    applies R(start + t) to row t."""
+    hs, like = 6, backend.asarray(np.zeros(()))
+    half_order = np.concatenate([np.arange(0, hs, 2), np.arange(1, hs, 2)])  # (hs,) pairs i, i+hs/2
+
+    def R(t, pairing):
+        return to_host(rope_rotation_matrix(t, hs, base=30.0, pairing=pairing, like=like))
+
+    for t in range(-3, 4):
+        adjacent = R(t, "adjacent")
+        shift = to_host(position_shift_matrix(t, hs, base=30.0, like=like))  # M_t of chapter 2
+        np.testing.assert_allclose(adjacent, shift.T, rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(R(t, "rotate_half"), adjacent[np.ix_(half_order, half_order)],
+                                   rtol=1e-13, atol=1e-14)  # fmt: skip
+        for pairing in ROPE_PAIRINGS:
+            np.testing.assert_allclose(R(t, pairing).T @ R(t, pairing), np.eye(hs), atol=1e-14)
+            np.testing.assert_allclose(R(t, pairing), np.linalg.matrix_power(R(1, pairing), t),
+                                       rtol=1e-12, atol=1e-13)  # fmt: skip
+            for s in range(-3, 4):
+                np.testing.assert_allclose(R(t, pairing).T @ R(s, pairing), R(s - t, pairing),
+                                           rtol=1e-12, atol=1e-13)  # fmt: skip
+    x = rng.standard_normal((4, hs))
+    for pairing in ROPE_PAIRINGS:
+        y, _ = rope_forward(backend.asarray(x), base=30.0, start=2, pairing=pairing)
+        rows = np.stack([R(2 + t, pairing) @ x[t] for t in range(4)])
+        np.testing.assert_allclose(to_host(y), rows, rtol=1e-13, atol=1e-14)
+
+
+def test_llama_blocks_match_hugging_face(monkeypatch, rng):
+    """Hugging Face's LlamaRMSNorm, LlamaMLP and rotary embedding (built from a config, random
+    weights, offline) equal ours, with HF's (out, in) weights transposed into our layout. HF
+    computes the norm and the angles in float32, hence the float32 tolerance there."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # before transformers is imported: no network
+    transformers = pytest.importorskip("transformers")
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    hidden, inter, n_head, start = 8, 12, 2, 3
+    rope = {"rope_type": "default", "rope_theta": 500.0}
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter,
+                                   num_attention_heads=n_head, num_key_value_heads=n_head,
+                                   rms_norm_eps=1e-6, rope_parameters=rope)  # fmt: skip
+    x = rng.standard_normal((B, T, hidden))
+    tx = torch.tensor(x)
+
+    norm = llama.LlamaRMSNorm(hidden, eps=1e-6).double()
+    w = rng.standard_normal(hidden)
+    norm.weight.data = torch.tensor(w)
+    y, _ = rmsnorm_forward(x, w, eps=1e-6)
+    np.testing.assert_allclose(y, norm(tx).detach().numpy(), rtol=1e-6, atol=1e-6)
+
+    mlp = llama.LlamaMLP(cfg).double()
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    weights = [proj.weight.detach().numpy().T for proj in projections]  # (out, in) -> (in, out)
+    y, _ = swiglu_forward(x, *weights)
+    np.testing.assert_allclose(y, mlp(tx).detach().numpy(), rtol=1e-13, atol=1e-14)
+
+    hs = hidden // n_head
+    q, k = rng.standard_normal((2, B, n_head, T, hs))
+    cos, sin = llama.LlamaRotaryEmbedding(cfg)(tx, torch.arange(start, start + T)[None])
+    q_hf, k_hf = llama.apply_rotary_pos_emb(torch.tensor(q), torch.tensor(k), cos, sin)
+    for ours, theirs in ((q, q_hf), (k, k_hf)):
+        y, _ = rope_forward(ours, base=500.0, start=start)  # rotate_half, the default
+        np.testing.assert_allclose(y, theirs.numpy(), rtol=1e-5, atol=1e-6)

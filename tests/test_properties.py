@@ -29,8 +29,12 @@ from gptlab.layers.attention_single import attention_single_forward
 from gptlab.layers.block import block_backward, block_forward, block_param_shapes
 from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
+from gptlab.layers.rmsnorm import rmsnorm_backward, rmsnorm_forward
+from gptlab.layers.rope import ROPE_PAIRINGS, rope_backward, rope_forward
 from gptlab.layers.sdpa import causal_mask, sdpa_backward, sdpa_forward
+from gptlab.layers.silu import silu_forward
 from gptlab.layers.softmax import softmax_forward
+from gptlab.layers.swiglu import swiglu_backward, swiglu_forward
 
 TOL = 1e-7
 
@@ -347,3 +351,127 @@ def test_single_position_attention_is_the_value(T):
     y, _ = attention_forward(x, w_attn, b_attn, np.eye(4), np.zeros(4), n_head=2)
     v = (x @ w_attn + b_attn)[..., 8:]  # (B, T, C)
     np.testing.assert_allclose(y[:, 0], v[:, 0], rtol=1e-14, atol=1e-15)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 14: RMSNorm, SiLU, SwiGLU, RoPE
+
+
+@fast()
+@given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), C=st.integers(2, 8),
+       scale=st.sampled_from([1e-2, 1.0, 30.0]), seed=st.integers(0, 2**16))  # fmt: skip
+def test_rmsnorm_backward_over_shapes(lead, C, scale, seed):
+    """C >= 2: for C = 1 the output w * x / sqrt(x**2 + eps) is +-w up to eps / x**2 whatever x
+    is, and its gradient, rstd * (1 - xhat**2) * dxhat, is a difference of nearly equal numbers
+    that no method resolves to 1e-7 (as LayerNorm's C <= 2 above)."""
+    rng = np.random.default_rng(seed)
+    x, w = scale * rng.standard_normal((*lead, C)), 1.0 + rng.standard_normal(C)
+    for oracle in ("autograd", "finite_differences"):
+        check_layer(rmsnorm_forward, rmsnorm_backward, x, w, oracle=oracle).assert_ok(TOL)
+
+
+@fast()
+@given(lead=st.lists(st.integers(1, 3), min_size=1, max_size=2), C=st.integers(1, 9),
+       scale=st.sampled_from([1e-1, 1.0, 1e3]), factor=st.floats(1e-2, 1e2),
+       seed=st.integers(0, 2**16),
+       backend_name=st.sampled_from(["numpy", "torch", "strict"]))  # fmt: skip
+def test_rmsnorm_output_has_unit_rms_whatever_the_scale(lead, C, scale, factor, seed, backend_name):
+    """With w = 1 every row has mean square ms / (ms + eps), i.e. ~1; with eps = 0 a row scaled
+    by any factor > 0 gives the same output (no mean is removed, so a shift would not)."""
+    backend, rng = get_backend(backend_name), np.random.default_rng(seed)
+    eps = 1e-6
+    x, w = scale * rng.standard_normal((*lead, C)), rng.standard_normal(C)
+    y, _ = rmsnorm_forward(backend.asarray(x), backend.asarray(np.ones(C)), eps=eps)
+    ms = (x * x).mean(axis=-1)
+    np.testing.assert_allclose((to_host(y) ** 2).mean(axis=-1), ms / (ms + eps), rtol=1e-12)
+    y, _ = rmsnorm_forward(backend.asarray(x), backend.asarray(w), eps=0.0)
+    y_scaled, _ = rmsnorm_forward(backend.asarray(factor * x), backend.asarray(w), eps=0.0)
+    np.testing.assert_allclose(to_host(y_scaled), to_host(y), rtol=1e-12, atol=1e-14)
+
+
+@fast(20)
+@given(x=hnp.arrays(np.float64, hnp.array_shapes(min_dims=1, max_dims=3, max_side=5),
+                    elements=st.floats(-1e3, 1e3)),
+       backend_name=st.sampled_from(["numpy", "torch", "strict"]))  # fmt: skip
+def test_silu_odd_part_is_x_and_it_stays_above_its_minimum(x, backend_name):
+    """sigmoid(x) + sigmoid(-x) = 1 gives silu(x) - silu(-x) = x; silu(x) <= max(x, 0), and its
+    minimum is -0.27846... (at x = -1.27846...)."""
+    backend = get_backend(backend_name)
+    y, _ = silu_forward(backend.asarray(x))
+    y_neg, _ = silu_forward(backend.asarray(-x))
+    y, y_neg = to_host(y), to_host(y_neg)
+    np.testing.assert_allclose(y - y_neg, x, rtol=1e-12, atol=1e-12)
+    assert np.all(y <= np.maximum(x, 0.0)) and np.all(y >= -0.2784645427610739)
+
+
+@fast()
+@given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), C=st.integers(1, 4),
+       H=st.integers(1, 5), C_out=st.integers(1, 4), seed=st.integers(0, 2**16))  # fmt: skip
+def test_swiglu_backward_over_shapes(lead, C, H, C_out, seed):
+    rng = np.random.default_rng(seed)
+    args = (rng.standard_normal((*lead, C)), rng.standard_normal((C, H)),
+            rng.standard_normal((C, H)), rng.standard_normal((H, C_out)))  # fmt: skip
+    for oracle in ("autograd", "finite_differences"):
+        check_layer(swiglu_forward, swiglu_backward, *args, oracle=oracle).assert_ok(TOL)
+
+
+rope_shapes = st.fixed_dictionaries({
+    "lead": st.lists(st.integers(1, 3), min_size=0, max_size=2), "T": st.integers(1, 5),
+    "pairs": st.integers(1, 4), "start": st.integers(0, 50),
+    "base": st.sampled_from([10.0, 10000.0]), "pairing": st.sampled_from(ROPE_PAIRINGS),
+    "seed": st.integers(0, 2**16),
+})  # fmt: skip
+
+
+def _rope_input(s):
+    """x (*lead, T, hs) with hs = 2 * pairs, the rng, and the hyperparameters."""
+    rng = np.random.default_rng(s["seed"])
+    x = rng.standard_normal((*s["lead"], s["T"], 2 * s["pairs"]))
+    return x, rng, {"base": s["base"], "start": s["start"], "pairing": s["pairing"]}
+
+
+@fast()
+@given(s=rope_shapes)
+def test_rope_backward_over_shapes(s):
+    x, _, hyper = _rope_input(s)
+    for oracle in ("autograd", "finite_differences"):
+        check_layer(rope_forward, rope_backward, x, oracle=oracle, **hyper).assert_ok(TOL)
+
+
+@fast()
+@given(s=rope_shapes, backend_name=st.sampled_from(["numpy", "torch", "strict"]))
+def test_rope_turns_each_pair_and_the_backward_turns_it_back(s, backend_name):
+    """Each pair of the chosen pairing keeps its length x1**2 + x2**2 (a rotation within the
+    pair), and the backward, R(t)^T, applied to y gives x back."""
+    backend = get_backend(backend_name)
+    x, _, hyper = _rope_input(s)
+    y, cache = rope_forward(backend.asarray(x), **hyper)
+    (x_back,) = rope_backward(y, cache)
+    y, half = to_host(y), s["pairs"]
+    split = ((lambda a: (a[..., :half], a[..., half:])) if s["pairing"] == "rotate_half"
+             else (lambda a: (a[..., 0::2], a[..., 1::2])))  # fmt: skip
+    (x1, x2), (y1, y2) = split(x), split(y)
+    np.testing.assert_allclose(y1**2 + y2**2, x1**2 + x2**2, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(to_host(x_back), x, rtol=1e-12, atol=1e-13)
+
+
+@fast()
+@given(s=rope_shapes, shift=st.integers(0, 100), tail=st.integers(0, 4))
+def test_rope_sees_relative_positions_only(s, shift, tail):
+    """Any q and k: shifting every position by the same amount leaves q_rot @ k_rot^T as it was;
+    and rotating the last rows alone, with start = their first position (new tokens after a KV
+    cache), gives the last rows of rotating everything."""
+    q, rng, hyper = _rope_input(s)
+    k = rng.standard_normal(q.shape)
+
+    def scores(start):
+        q_rot, _ = rope_forward(q, **dict(hyper, start=start))
+        k_rot, _ = rope_forward(k, **dict(hyper, start=start))
+        return q_rot @ np.swapaxes(k_rot, -1, -2)  # (..., T, T)
+
+    np.testing.assert_allclose(scores(s["start"] + shift), scores(s["start"]), rtol=1e-10,
+                               atol=1e-10)  # fmt: skip
+    first = min(tail, s["T"] - 1)
+    y, _ = rope_forward(q, **hyper)
+    y_tail, _ = rope_forward(q[..., first:, :], **dict(hyper, start=s["start"] + first))
+    np.testing.assert_allclose(y_tail, y[..., first:, :], rtol=1e-13, atol=1e-13)
