@@ -109,7 +109,7 @@ def as_function(forward, backward):
 
 LAYERS = ("linear", "layernorm", "gelu", "relu", "softmax", "dropout", "embedding",
           "position_learned", "position_sinusoidal", "sdpa", "attention", "attention_single",
-          "mlp", "block", "cross_entropy")  # fmt: skip
+          "mlp", "block", "cross_entropy", "gqa")  # fmt: skip
 
 
 def _wrap(name: str):
