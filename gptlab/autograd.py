@@ -110,7 +110,7 @@ def as_function(forward, backward):
 LAYERS = ("linear", "layernorm", "gelu", "relu", "softmax", "dropout", "embedding",
           "position_learned", "position_sinusoidal", "sdpa", "attention", "attention_single",
           "mlp", "block", "cross_entropy",
-          "rmsnorm", "silu", "swiglu", "rope")  # fmt: skip
+          "rmsnorm", "silu", "swiglu", "rope", "gqa")  # fmt: skip
 
 
 def _wrap(name: str):

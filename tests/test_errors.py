@@ -17,6 +17,7 @@ from gptlab.layers.cross_entropy import cross_entropy_forward
 from gptlab.layers.dropout import dropout_forward
 from gptlab.layers.embedding import embedding_forward, embedding_onehot_forward
 from gptlab.layers.gelu import gelu_forward
+from gptlab.layers.gqa import gqa_attention_forward, gqa_attention_step, gqa_forward, kv_cache_size
 from gptlab.layers.layernorm import layernorm_forward
 from gptlab.layers.linear import linear_forward
 from gptlab.layers.mlp import mlp_forward
@@ -171,6 +172,93 @@ def test_sdpa_dtypes_must_match(backend):
         sdpa_forward(b32.randn(rng, T, 3), b32.randn(rng, T, 3), b64.randn(rng, T, 3))
 
 
+def test_gqa_query_heads_must_be_a_multiple_of_the_key_value_heads(F):
+    message = "q has 3 heads, not a multiple of k's 2 key/value heads"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gqa_forward(F(B, 3, T, 2), F(B, 2, T, 2), F(B, 2, T, 2))
+    with pytest.raises(ValueError, match=re.escape("n_head (6) must be a multiple of n_kv_head (4)")):
+        gqa_attention_forward(F(B, T, C), F(C, 12), F(C, 8), F(C, 8), F(12, C), n_head=6,
+                              n_kv_head=4)  # fmt: skip
+
+
+def test_gqa_shapes_must_match(F):
+    with pytest.raises(ValueError, match=re.escape("k must have shape (B, NKV, T, hs), got (2, 3, 2)")):
+        gqa_forward(F(B, 4, T, 2), F(B, T, 2), F(B, 2, T, 2))
+    with pytest.raises(ValueError, match=re.escape("v has 1 heads but k has 2")):
+        gqa_forward(F(B, 4, T, 2), F(B, 2, T, 2), F(B, 1, T, 2))
+    with pytest.raises(ValueError, match=re.escape("k has batch size 1 but q has 2")):
+        gqa_forward(F(B, 4, T, 2), F(1, 2, T, 2), F(1, 2, T, 2))
+    with pytest.raises(ValueError, match=re.escape("k has head size 3 but q has 2")):
+        gqa_forward(F(B, 4, T, 2), F(B, 2, T, 3), F(B, 2, T, 3))
+    with pytest.raises(ValueError, match=re.escape("v has 2 positions but k has 3")):
+        gqa_forward(F(B, 4, T, 2), F(B, 2, T, 2), F(B, 2, 2, 2))
+
+
+@pytest.mark.parametrize("mask_shape", [(B, 2, T, T), (3, 1, T, T), (T, T + 1), (1, B, 4, T, T)])
+def test_gqa_mask_must_broadcast_to_every_query_head(F, backend, mask_shape):
+    """The mask speaks of the NH query heads: one per key/value head is refused."""
+    mask = backend.asarray(np.ones(mask_shape, dtype=bool))
+    message = (f"mask has shape {mask_shape}, which does not broadcast to the attention weights' "
+               f"shape (B, NH, Tq, Tk) = ({B}, 4, {T}, {T})")  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gqa_forward(F(B, 4, T, 2), F(B, 2, T, 2), F(B, 2, T, 2), mask)
+    with pytest.raises(TypeError, match="mask must be a boolean array .*, got dtype"):
+        gqa_forward(F(B, 4, T, 2), F(B, 2, T, 2), F(B, 2, T, 2), F(B, 4, T, T))
+
+
+def test_gqa_dtypes_must_match(backend):
+    rng = np.random.default_rng(0)
+    b64, b32 = backend, get_backend(backend.name, "float32")
+    with pytest.raises(TypeError, match="q has dtype .*float64 but k has dtype .*float32"):
+        gqa_forward(b64.randn(rng, B, 4, T, 2), b32.randn(rng, B, 2, T, 2), b64.randn(rng, B, 2, T, 2))
+    with pytest.raises(TypeError, match="x has dtype .*float32 but wv has dtype .*float64"):
+        gqa_attention_forward(b32.randn(rng, B, T, C), b32.randn(rng, C, 8), b32.randn(rng, C, 4),
+                              b64.randn(rng, C, 4), b32.randn(rng, 8, C), n_head=4, n_kv_head=2)  # fmt: skip
+
+
+def test_gqa_attention_weights_must_match(F):
+    def call(wq=(C, 8), wk=(C, 4), wv=(C, 4), wo=(8, C), **hyper):
+        return gqa_attention_forward(F(B, T, C), F(*wq), F(*wk), F(*wv), F(*wo),
+                                     **{"n_head": 4, "n_kv_head": 2, **hyper})  # fmt: skip
+
+    with pytest.raises(ValueError, match=re.escape("wq has shape (3, 8), expected (4, *)")):
+        call(wq=(3, 8))
+    with pytest.raises(ValueError, match="wq has 6 columns, not n_head \\* head_size for n_head=4"):
+        call(wq=(C, 6))
+    with pytest.raises(ValueError, match=re.escape("wk has shape (4, 8), expected (4, 4)")):
+        call(wk=(C, 8))
+    with pytest.raises(ValueError, match=re.escape("wo has shape (8, 3), expected (8, 4)")):
+        call(wo=(8, 3))
+    with pytest.raises(ValueError, match="n_kv_head must be an integer >= 1, got 0"):
+        call(n_kv_head=0)
+    with pytest.raises(TypeError, match="rotate must be None or a pair"):
+        call(rotate=lambda a: (a, None))
+    with pytest.raises(TypeError, match="^wk must be a floating-point array"):
+        gqa_attention_forward(F(B, T, C), F(C, 8), F.int(3, C, 4), F(C, 4), F(8, C), n_head=4,
+                              n_kv_head=2)  # fmt: skip
+
+
+def test_gqa_attention_step_checks_the_cache(F):
+    weights = F(C, 8), F(C, 4), F(C, 4), F(8, C)
+    with pytest.raises(ValueError, match="k_past and v_past go together"):
+        gqa_attention_step(F(B, 1, C), *weights, F(B, 2, T, 2), None, n_head=4, n_kv_head=2)
+    with pytest.raises(ValueError, match=re.escape("k_past has shape (2, 4, 3, 2), expected (2, 2, *, 2)")):
+        gqa_attention_step(F(B, 1, C), *weights, F(B, 4, T, 2), F(B, 4, T, 2), n_head=4, n_kv_head=2)
+    with pytest.raises(ValueError, match="v_past holds 2 positions but k_past 3"):
+        gqa_attention_step(F(B, 1, C), *weights, F(B, 2, T, 2), F(B, 2, 2, 2), n_head=4, n_kv_head=2)
+    with pytest.raises(TypeError, match="rotate must be None or a function"):
+        gqa_attention_step(F(B, 1, C), *weights, None, None, n_head=4, n_kv_head=2, rotate=(1, 2))
+
+
+def test_kv_cache_size_checks_its_arguments():
+    with pytest.raises(ValueError, match="T must be an integer >= 0, got -1"):
+        kv_cache_size(2, 2, 4, -1)
+    with pytest.raises(ValueError, match="n_layer must be an integer >= 1, got 1.5"):
+        kv_cache_size(1.5, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"dtype must be one of \('float64', .*, got 'fp8'"):
+        kv_cache_size(2, 2, 4, 8, "fp8")
+
+
 def test_mlp_weights_must_chain(F):
     with pytest.raises(ValueError, match=re.escape("w has shape (8, 4), expected (16, *)")):
         mlp_forward(F(B, T, C), F(C, 4 * C), F(4 * C), F(8, C), F(C))
@@ -254,6 +342,10 @@ def test_block_ln_order_is_checked(F):
         ("q", lambda F, i: sdpa_forward(i, F(B, T, C), F(B, T, C))),
         ("k", lambda F, i: sdpa_forward(F(B, T, C), i, F(B, T, C))),
         ("v", lambda F, i: sdpa_forward(F(B, T, C), F(B, T, C), i)),
+        ("q", lambda F, i: gqa_forward(F.int(3, B, 2, T, C), F(B, 1, T, C), F(B, 1, T, C))),
+        ("v", lambda F, i: gqa_forward(F(B, 2, T, C), F(B, 1, T, C), F.int(3, B, 1, T, C))),
+        ("x", lambda F, i: gqa_attention_forward(i, F(C, 4), F(C, 2), F(C, 2), F(4, C), n_head=2,
+                                                 n_kv_head=1)),
         ("X", lambda F, i: attention_single_forward(F.int(3, C, T), F(3, C), F(3, C), F(3, C))),
         ("logits", lambda F, i: cross_entropy_forward(F.int(3, B, T, V), F.int(V, B, T))),
         ("wte", lambda F, i: embedding_forward(F.int(V, B, T), F.int(3, V, C))),

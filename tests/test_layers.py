@@ -30,6 +30,7 @@ from conftest import (
     to_host,
 )
 from gptlab.backend import array_device
+from gptlab.backend import asarray_like  # the rotation stand-in of the gqa rows
 from gptlab.gradcheck import GradcheckEntry, GradcheckResult, check_layer
 from gptlab.layers.attention import (
     attention_backward,
@@ -56,6 +57,14 @@ from gptlab.layers.embedding import (
     embedding_onehot_forward,
 )
 from gptlab.layers.gelu import gelu_backward, gelu_forward
+from gptlab.layers.gqa import (
+    gqa_attention_backward,
+    gqa_attention_forward,
+    gqa_attention_step,
+    gqa_backward,
+    gqa_forward,
+    kv_cache_size,
+)
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
 from gptlab.layers.linear import linear_backward, linear_forward
 from gptlab.layers.mlp import mlp_backward, mlp_forward
@@ -165,6 +174,48 @@ def _swiglu_args(rng, H=6):
 ROPE_HS = 6  # an even head size: RoPE turns pairs of coordinates
 
 
+def _gqa_args(n_head, n_kv_head, Tq, Tk, *, masked=False):
+    """q (B, NH, Tq, HS), k and v (B, NKV, Tk, HS) and, when ``masked``, a random boolean mask
+    (B, NH, Tq, Tk) in which every query keeps a key."""
+
+    def make(rng):
+        q = _normal(rng, B, n_head, Tq, HS)
+        k, v = _normal(rng, B, n_kv_head, Tk, HS), _normal(rng, B, n_kv_head, Tk, HS)
+        return (q, k, v, random_attention_mask(rng, (B, n_head, Tq, Tk))) if masked else (q, k, v)
+
+    return make
+
+
+def _gqa_attention_args(n_head, n_kv_head, hs=2):
+    """x (B, T, C), wq (C, NH*hs), wk and wv (C, NKV*hs), wo (NH*hs, C)."""
+
+    def make(rng):
+        return (_normal(rng, B, T, C), 0.5 * _normal(rng, C, n_head * hs),
+                0.5 * _normal(rng, C, n_kv_head * hs), _normal(rng, C, n_kv_head * hs),
+                _normal(rng, n_head * hs, C))  # fmt: skip
+
+    return make
+
+
+def _random_rotations(positions, hs, seed=0):
+    """(positions, hs, hs): a seeded orthogonal matrix per position."""
+    return np.linalg.qr(np.random.default_rng(seed).standard_normal((positions, hs, hs)))[0]
+
+
+def _rotation_pair(R, start=0):
+    """A stand-in for rotary embeddings, on any backend: the layer pair that turns row t of
+    a (..., T, hs) by R[start + t] (hs, hs), a = a @ R, and its backward da = da_rotated @ R^T."""
+
+    def rotate_forward(a):
+        r = asarray_like(R[start : start + a.shape[-2]], a)  # (T, hs, hs)
+        return (a[..., None, :] @ r)[..., 0, :], r  # (..., T, hs)
+
+    def rotate_backward(da, r):
+        return ((da[..., None, :] @ r.mT)[..., 0, :],)  # (..., T, hs)
+
+    return rotate_forward, rotate_backward
+
+
 CASES = [
     Case("embedding", embedding_forward, embedding_backward,
          lambda rng: (_ids(rng, V, B, T), _normal(rng, V, C))),
@@ -225,6 +276,20 @@ CASES = [
     Case("sdpa_lead3_scale", sdpa_forward, sdpa_backward,
          _sdpa_args((2, 1, 2), T, T, kv_lead=(2, 2, 1), mask_lead=()), {"scale": 0.3}),
     Case("sdpa_no_lead", sdpa_forward, sdpa_backward, _sdpa_args((), 3, 4, hv=1), {"causal": True}),
+    Case("gqa_multihead", gqa_forward, gqa_backward, _gqa_args(2, 2, T, T), {"causal": True}),
+    Case("gqa_grouped", gqa_forward, gqa_backward, _gqa_args(4, 2, T, T), {"causal": False}),
+    Case("gqa_grouped_Tq_lt_Tk_causal", gqa_forward, gqa_backward, _gqa_args(4, 2, 2, 4),
+         {"causal": True}),
+    Case("gqa_multiquery", gqa_forward, gqa_backward, _gqa_args(3, 1, T, T), {"causal": True}),
+    Case("gqa_multiquery_Tq_gt_Tk_mask", gqa_forward, gqa_backward,
+         _gqa_args(3, 1, 4, 2, masked=True), {"causal": False}),
+    Case("gqa_attention_grouped", gqa_attention_forward, gqa_attention_backward,
+         _gqa_attention_args(4, 2), {"n_head": 4, "n_kv_head": 2}),
+    Case("gqa_attention_multiquery", gqa_attention_forward, gqa_attention_backward,
+         _gqa_attention_args(2, 1, hs=3), {"n_head": 2, "n_kv_head": 1, "causal": False}),
+    Case("gqa_attention_rotate", gqa_attention_forward, gqa_attention_backward,
+         _gqa_attention_args(4, 2), {"n_head": 4, "n_kv_head": 2,
+                                     "rotate": _rotation_pair(_random_rotations(T, 2))}),
     Case("mlp", mlp_forward, mlp_backward, _mlp_args, {"approximate": "tanh"}),
     Case("block_pre", block_forward, block_backward,
          lambda rng: (_normal(rng, B, T, C), _block_params(rng)), {"n_head": NH, "ln_order": "pre"}),
@@ -662,6 +727,149 @@ def test_sdpa_matches_torch_sdpa(backend, Tq, Tk, causal, masked, scale):
     for name, grad, leaf in zip(("dq", "dk", "dv"), grads, (tq, tk, tv)):
         np.testing.assert_allclose(to_host(grad), leaf.grad.numpy(), rtol=1e-11, atol=1e-12,
                                    err_msg=name)  # fmt: skip
+
+
+@pytest.mark.parametrize("n_head, n_kv_head, Tq, Tk, causal, masked", [
+    (4, 4, 3, 3, True, False), (4, 2, 3, 3, False, False), (6, 2, 2, 4, True, False),
+    (3, 1, 3, 3, True, False), (4, 2, 3, 4, False, True), (4, 1, 2, 4, True, True)])  # fmt: skip
+def test_gqa_matches_torch_enable_gqa(backend, n_head, n_kv_head, Tq, Tk, causal, masked):
+    """Forward and the gradients of q, k, v against torch's scaled_dot_product_attention with
+    ``enable_gqa=True`` (which repeats each key/value head NH / NKV times in a row) and its
+    autograd; our end-aligned causal triangle goes into ``attn_mask`` as in the sdpa test."""
+    rng = np.random.default_rng(10 * n_head + n_kv_head)
+    q, k, v = _gqa_args(n_head, n_kv_head, Tq, Tk)(rng)
+    mask = random_attention_mask(rng, (B, n_head, Tq, Tk)) if masked else None
+    out, cache = gqa_forward(*map(backend.asarray, (q, k, v)),
+                             None if mask is None else backend.asarray(mask), causal=causal)  # fmt: skip
+    dout = rng.standard_normal(tuple(out.shape))
+    grads = gqa_backward(backend.asarray(dout), cache)
+
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    attn_mask = torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq) if causal else None
+    if mask is not None:
+        attn_mask = torch.tensor(mask) if attn_mask is None else attn_mask & torch.tensor(mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=attn_mask,
+                                                           enable_gqa=True)  # fmt: skip
+    ref.backward(torch.tensor(dout))
+    np.testing.assert_allclose(to_host(out), ref.detach().numpy(), rtol=1e-12, atol=1e-13)
+    for name, grad, leaf in zip(("dq", "dk", "dv"), grads, (tq, tk, tv)):
+        assert tuple(grad.shape) == tuple(leaf.shape), name
+        np.testing.assert_allclose(to_host(grad), leaf.grad.numpy(), rtol=1e-11, atol=1e-12,
+                                   err_msg=name)  # fmt: skip
+
+
+def _repeat_heads(w, n_kv_head, group):
+    """(C, NKV*hs) -> (C, NH*hs): each key/value head's columns repeated ``group`` times in a
+    row, so head h of the result is head h // group of w."""
+    C, width = w.shape
+    return np.repeat(w.reshape(C, n_kv_head, width // n_kv_head), group, axis=1).reshape(C, -1)
+
+
+@pytest.mark.parametrize("n_head, n_kv_head", [(2, 2), (4, 2), (2, 1), (4, 1)])
+def test_gqa_attention_is_gpt2_attention_with_repeated_kv_heads(backend, n_head, n_kv_head):
+    """GPT-2's attention (no biases) with wk, wv's heads repeated G = NH / NKV times gives the
+    same y and dx, dwq, dwo; the gradient of each key/value head is the sum over its G copies."""
+    rng, G, hs = np.random.default_rng(n_head + n_kv_head), n_head // n_kv_head, C // n_head
+    x, wq, wk, wv, wo = _gqa_attention_args(n_head, n_kv_head, hs)(rng)
+    y, cache = gqa_attention_forward(*map(backend.asarray, (x, wq, wk, wv, wo)), n_head=n_head,
+                                     n_kv_head=n_kv_head)  # fmt: skip
+    w_attn = np.concatenate([wq, _repeat_heads(wk, n_kv_head, G), _repeat_heads(wv, n_kv_head, G)],
+                            axis=1)  # (C, 3C)  # fmt: skip
+    y_mha, cache_mha = attention_forward(backend.asarray(x), backend.asarray(w_attn), None,
+                                         backend.asarray(wo), None, n_head=n_head)  # fmt: skip
+    np.testing.assert_allclose(to_host(y), to_host(y_mha), rtol=1e-13, atol=1e-14)
+    dy = backend.randn(rng, *y.shape)
+    dx, dwq, dwk, dwv, dwo = to_host(gqa_attention_backward(dy, cache))
+    dx_mha, dw_attn, _, dwo_mha, _ = to_host(attention_backward(dy, cache_mha))
+    dwq_mha, dwk_rep, dwv_rep = np.split(dw_attn, 3, axis=1)  # (C, C) each
+    for name, got, want in (("dx", dx, dx_mha), ("dwq", dwq, dwq_mha), ("dwo", dwo, dwo_mha),
+                            ("dwk", dwk, dwk_rep.reshape(C, n_kv_head, G, hs).sum(2)),
+                            ("dwv", dwv, dwv_rep.reshape(C, n_kv_head, G, hs).sum(2))):  # fmt: skip
+        np.testing.assert_allclose(got, want.reshape(got.shape), rtol=1e-12, atol=1e-13,
+                                   err_msg=name)  # fmt: skip
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_gqa_attention_matches_hf_llama_attention(rotary):
+    """Hugging Face's LlamaAttention (random weights, float64, torch SDPA): y and every gradient.
+    With ``rotary`` its rotary embedding goes in as our ``rotate`` pair: RoPE is linear in q, so
+    position t turns a row by the matrix R[t] whose row i is RoPE of the unit vector e_i."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import (
+        LlamaAttention,
+        LlamaRotaryEmbedding,
+        rotate_half,
+    )
+
+    n_head, n_kv_head, hs, Tn = 4, 2, 2, 5
+    cfg = LlamaConfig(hidden_size=C, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
+                      head_dim=hs, attention_bias=False, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    hf = LlamaAttention(cfg, layer_idx=0).double()
+    x = torch.randn(B, Tn, C, dtype=torch.float64, requires_grad=True)
+    cos, sin = LlamaRotaryEmbedding(cfg)(x, torch.arange(Tn)[None])  # (1, T, hs) each
+    if not rotary:
+        cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
+    y_hf, _ = hf(x, position_embeddings=(cos.double(), sin.double()), attention_mask=None)
+    dy = torch.randn(B, Tn, C, dtype=torch.float64)
+    y_hf.backward(dy)
+
+    projections = (hf.q_proj, hf.k_proj, hf.v_proj, hf.o_proj)
+    weights = [p.weight.detach().T.numpy() for p in projections]  # nn.Linear's (out, in) -> ours
+    eye = torch.eye(hs, dtype=torch.float64)
+    R = (eye * cos[0, :, None, :] + rotate_half(eye) * sin[0, :, None, :]).double().numpy()
+    rotate = _rotation_pair(R) if rotary else None
+    y, cache = gqa_attention_forward(x.detach().numpy(), *weights, n_head=n_head,
+                                     n_kv_head=n_kv_head, rotate=rotate)  # fmt: skip
+    np.testing.assert_allclose(y, y_hf.detach().numpy(), rtol=1e-12, atol=1e-13)
+    dx, *dws = gqa_attention_backward(dy.numpy(), cache)
+    np.testing.assert_allclose(dx, x.grad.numpy(), rtol=1e-11, atol=1e-12)
+    for name, dw, p in zip(("dwq", "dwk", "dwv", "dwo"), dws, projections):
+        np.testing.assert_allclose(dw, p.weight.grad.T.numpy(), rtol=1e-11, atol=1e-12, err_msg=name)
+
+
+def test_gqa_attention_step_with_a_kv_cache_equals_the_full_forward(backend):
+    """Feeding the positions in chunks (2, 1, 2) through gqa_attention_step, each rotated at its
+    own positions, gives the full causal forward's y; the cache grows to (B, NKV, T, hs), and
+    holds exactly kv_cache_size's numbers."""
+    n_head, n_kv_head, hs, Tn = 4, 2, 2, 5
+    rng = np.random.default_rng(5)
+    x, *weights = _gqa_attention_args(n_head, n_kv_head, hs)(rng)
+    x = np.concatenate([x, rng.standard_normal((B, Tn - T, C))], axis=1)  # (B, Tn, C)
+    x, weights = backend.asarray(x), [backend.asarray(w) for w in weights]
+    R = _random_rotations(Tn, hs, seed=1)
+    y_full, _ = gqa_attention_forward(x, *weights, n_head=n_head, n_kv_head=n_kv_head,
+                                      rotate=_rotation_pair(R))  # fmt: skip
+    k = v = None
+    for start, stop in ((0, 2), (2, 3), (3, 5)):
+        y, k, v = gqa_attention_step(x[:, start:stop, :], *weights, k, v, n_head=n_head,
+                                     n_kv_head=n_kv_head, rotate=_rotation_pair(R, start)[0])  # fmt: skip
+        assert tuple(k.shape) == tuple(v.shape) == (B, n_kv_head, stop, hs)
+        np.testing.assert_allclose(to_host(y), to_host(y_full)[:, start:stop], rtol=1e-12,
+                                   atol=1e-13, err_msg=f"positions {start}..{stop - 1}")  # fmt: skip
+    size = kv_cache_size(1, n_kv_head, hs, Tn, to_host(k).dtype, batch=B)
+    assert size.elements == math.prod(k.shape) + math.prod(v.shape)
+    assert size.nbytes == to_host(k).nbytes + to_host(v).nbytes
+
+
+@pytest.mark.parametrize("n_head, n_kv_head", [(32, 8), (8, 1), (12, 12), (6, 3)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", torch.float16, np.dtype("float64")])
+def test_kv_cache_shrinks_by_the_group_size(n_head, n_kv_head, dtype):
+    full = kv_cache_size(4, n_head, 16, 100, dtype, batch=3)  # multi-head: NKV = NH
+    grouped = kv_cache_size(4, n_kv_head, 16, 100, dtype, batch=3)
+    assert full.elements == (n_head // n_kv_head) * grouped.elements
+    assert full.nbytes == (n_head // n_kv_head) * grouped.nbytes
+    assert grouped.elements == 2 * 4 * 3 * n_kv_head * 100 * 16
+
+
+def test_kv_cache_size_of_llama2_70b():
+    """LLaMA 2 70B (80 layers, 64 query heads, 8 key/value heads of size 128) keeps
+    2 * 80 * 8 * 128 float16 numbers per token: 320 KiB, where 64 key/value heads would keep
+    2.5 MiB, eight times as much."""
+    assert kv_cache_size(80, 8, 128, 1, "float16").nbytes == 320 * 1024
+    assert kv_cache_size(80, 64, 128, 1, "float16").nbytes == 2.5 * 1024 * 1024
+    assert kv_cache_size(80, 8, 128, 4096, "float16").nbytes == 4096 * 320 * 1024
 
 
 def test_every_layer_module_is_in_the_table():

@@ -28,6 +28,7 @@ from gptlab.layers.attention import attention_forward, attention_backward
 from gptlab.layers.attention_single import attention_single_forward
 from gptlab.layers.block import block_backward, block_forward, block_param_shapes
 from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from gptlab.layers.gqa import gqa_attention_backward, gqa_attention_forward, gqa_backward, gqa_forward
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
 from gptlab.layers.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gptlab.layers.rope import ROPE_PAIRINGS, rope_backward, rope_forward
@@ -215,6 +216,93 @@ def test_sdpa_refuses_a_query_that_sees_no_key(s, data):
     mask[row] = False
     with pytest.raises(ValueError, match=rf"^query row {row} can see no key"):
         sdpa_forward(q, k, v, mask, causal=s["causal"])
+
+
+gqa_shapes = st.fixed_dictionaries({
+    "B": st.integers(1, 2), "n_kv_head": st.integers(1, 3), "group": st.integers(1, 3),
+    "Tq": st.integers(1, 4), "extra_keys": st.integers(0, 2), "hs": st.integers(1, 3),
+    "hv": st.integers(1, 3), "causal": st.booleans(), "masked": st.booleans(),
+    "seed": st.integers(0, 2**16),
+})  # fmt: skip
+
+
+def _gqa_inputs(s):
+    """q (B, NH, Tq, hs) with NH = NKV * group; k (B, NKV, Tk, hs), v (B, NKV, Tk, hv) with
+    Tk = Tq + extra_keys; a random mask (B or 1, NH or 1, Tq, Tk), or None; the rng."""
+    rng = np.random.default_rng(s["seed"])
+    B, NKV, Tq = s["B"], s["n_kv_head"], s["Tq"]
+    NH, Tk = NKV * s["group"], Tq + s["extra_keys"]
+    q, k = rng.standard_normal((B, NH, Tq, s["hs"])), rng.standard_normal((B, NKV, Tk, s["hs"]))
+    v = rng.standard_normal((B, NKV, Tk, s["hv"]))
+    mask_lead = tuple(1 if rng.random() < 0.5 else n for n in (B, NH))
+    mask = random_attention_mask(rng, (*mask_lead, Tq, Tk)) if s["masked"] else None
+    return q, k, v, mask, rng
+
+
+@fast()
+@given(s=gqa_shapes)
+def test_gqa_backward_over_shapes(s):
+    """Both oracles; the mask (or None) is the fourth positional input and gets no gradient."""
+    q, k, v, mask, _ = _gqa_inputs(s)
+    for oracle in ("autograd", "finite_differences"):
+        result = check_layer(gqa_forward, gqa_backward, q, k, v, mask, causal=s["causal"], oracle=oracle)
+        assert [entry.name for entry in result.entries] == ["q", "k", "v"]
+        result.assert_ok(TOL)
+
+
+@fast()
+@given(s=gqa_shapes)
+def test_gqa_equals_multihead_attention_on_repeated_heads(s):
+    """Repeating each key/value head NH / NKV times in a row (HF's repeat_kv, torch's
+    repeat_interleave) and running sdpa per head gives the same output; the gradient of a
+    key/value head is the sum of its copies' gradients."""
+    q, k, v, mask, rng = _gqa_inputs(s)
+    G = s["group"]
+    k_rep, v_rep = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # (B, NH, Tk, hs | hv)
+    out, cache = gqa_forward(q, k, v, mask, causal=s["causal"])
+    out_rep, cache_rep = sdpa_forward(q, k_rep, v_rep, mask, causal=s["causal"])
+    np.testing.assert_allclose(out, out_rep, rtol=1e-13, atol=1e-14)
+    dout = rng.standard_normal(out.shape)
+    dq, dk, dv = gqa_backward(dout, cache)
+    dq_rep, dk_rep, dv_rep = sdpa_backward(dout, cache_rep)
+    np.testing.assert_allclose(dq, dq_rep, rtol=1e-13, atol=1e-14)
+    for grad, repeated in ((dk, dk_rep), (dv, dv_rep)):
+        B, NKV, Tk, width = grad.shape
+        summed = repeated.reshape(B, NKV, G, Tk, width).sum(axis=2)  # (B, NKV, Tk, width)
+        np.testing.assert_allclose(grad, summed, rtol=1e-12, atol=1e-13)
+
+
+@fast()
+@given(s=gqa_shapes, data=st.data(), backend_name=st.sampled_from(["numpy", "torch", "strict"]))
+def test_gqa_query_head_reads_only_its_key_value_head(s, data, backend_name):
+    """Changing key/value head n changes the outputs of query heads n * G .. n * G + G - 1 and
+    leaves every other query head's output exactly as it was."""
+    backend = get_backend(backend_name)
+    q, k, v, mask, rng = _gqa_inputs(s)
+    n, G = data.draw(st.integers(0, s["n_kv_head"] - 1)), s["group"]
+    k2, v2 = k.copy(), v.copy()
+    k2[:, n], v2[:, n] = rng.standard_normal(k[:, n].shape), rng.standard_normal(v[:, n].shape)
+    extra = () if mask is None else (backend.asarray(mask),)
+    out, _ = gqa_forward(*map(backend.asarray, (q, k, v)), *extra, causal=s["causal"])
+    out2, _ = gqa_forward(*map(backend.asarray, (q, k2, v2)), *extra, causal=s["causal"])
+    out, out2 = to_host(out), to_host(out2)
+    group = np.arange(q.shape[1]) // G == n  # (NH,) the query heads of key/value head n
+    np.testing.assert_array_equal(out2[:, ~group], out[:, ~group])
+    assert not np.allclose(out2[:, group], out[:, group])
+
+
+@fast()
+@given(s=gqa_shapes, T=st.integers(1, 4), C=st.integers(1, 4))
+def test_gqa_attention_backward_over_shapes(s, T, C):
+    rng = np.random.default_rng(s["seed"])
+    NKV, hs = s["n_kv_head"], s["hs"]
+    NH = NKV * s["group"]
+    args = (rng.standard_normal((s["B"], T, C)), 0.5 * rng.standard_normal((C, NH * hs)),
+            0.5 * rng.standard_normal((C, NKV * hs)), rng.standard_normal((C, NKV * hs)),
+            rng.standard_normal((NH * hs, C)))  # fmt: skip
+    forward = functools.partial(gqa_attention_forward, n_head=NH, n_kv_head=NKV,
+                                causal=s["causal"])  # fmt: skip
+    check_layer(forward, gqa_attention_backward, *args, oracle="autograd").assert_ok(TOL)
 
 
 model_configs = st.fixed_dictionaries({
