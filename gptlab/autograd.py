@@ -3,8 +3,10 @@
 ``as_function(forward, backward)`` turns a layer pair into a function of torch tensors whose
 ``.backward()`` runs OUR backward, so any torch optimizer (on CPU or CUDA) is driven by the
 formulas of the book. Every layer of ``gptlab.layers`` comes ready-wrapped under its own name
-(``linear``, ``layernorm``, ..., ``sdpa``, ``block``, ``cross_entropy``); a boolean input (the
-mask of ``sdpa``) gets no gradient, like an integer one. ``gpt_loss`` / ``gpt_logits`` and the
+(``linear``, ``layernorm``, ..., ``sdpa``, ``block``, ``cross_entropy``, ``router``, ``moe``); a
+boolean input (the mask of ``sdpa``) gets no gradient, like an integer one. A layer whose output
+is a pair (``moe`` and ``router`` return ``(y, aux)`` and ``(gates, aux)``) returns both tensors,
+and its backward gets both gradients. ``gpt_loss`` / ``gpt_logits`` and the
 ``GPT`` module do the same for the whole model, through ``gpt_forward`` / ``gpt_backward``.
 
 The layer's cache (which holds the input tensors themselves) is kept on ``ctx`` rather than in
@@ -86,7 +88,9 @@ class ManualFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, *douts):
+        # a layer whose output is a pair (moe's (y, aux), router's (gates, aux)) takes a pair
+        dout = douts[0] if len(douts) == 1 else douts
         grads = ctx.backward(dout, ctx.cache)
         return (None, None, None, None, *_flat_grads(ctx.args, grads))
 
@@ -110,7 +114,7 @@ def as_function(forward, backward):
 LAYERS = ("linear", "layernorm", "gelu", "relu", "softmax", "dropout", "embedding",
           "position_learned", "position_sinusoidal", "sdpa", "attention", "attention_single",
           "mlp", "block", "cross_entropy",
-          "rmsnorm", "silu", "swiglu", "rope", "gqa")  # fmt: skip
+          "rmsnorm", "silu", "swiglu", "rope", "gqa", "router", "moe")  # fmt: skip
 
 
 def _wrap(name: str):

@@ -148,6 +148,40 @@ def test_wrapped_layer_rejects_numpy_arrays():
         ag.block(torch.zeros(1, 1, 4), {"w": np.zeros(4)}, n_head=2)
 
 
+def _moe_inputs(r, E=4, H=6):
+    """x (2, 3, C) and the weights of E experts, as NumPy arrays."""
+    return [r.normal(size=shape) for shape in ((2, 3, C), (C, E), (E, C, H), (E, H), (E, H, C),
+                                               (E, C))]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name, make, hyper", [
+    ("moe", _moe_inputs, {"k": 2, "capacity_factor": 0.75, "aux_weight": 0.5}),
+    ("moe", _moe_inputs, {"k": 1, "renormalize": False, "aux_weight": 0.1}),
+    ("router", lambda r: (r.normal(size=(6, 4)), np.stack([r.permutation(4)[:2] for _ in range(6)])),
+     {"aux_weight": 0.5}),
+])  # fmt: skip
+def test_pair_output_layers_return_both_and_take_both_grads(name, make, hyper, device):
+    """moe and router return a pair (y or gates, aux): the wrapper returns both tensors, and a
+    loss that uses both drives our backward with both gradients, as autograd of the forward."""
+    forward = getattr(importlib.import_module(f"gptlab.layers.{name}"), f"{name}_forward")
+    args = make(np.random.default_rng(0))
+    dy = torch.randn(args[0].shape[:-1] + (C if name == "moe" else 2,),
+                     generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(device)  # fmt: skip
+    results = []
+    for fn in (getattr(ag, name), lambda *a, **h: forward(*a, **h)[0]):
+        leaves_ = to_torch(args, device)
+        y, aux = fn(*leaves_, **hyper)
+        ((y * dy).sum() + 3.0 * aux).backward()
+        results.append((y, aux, [t.grad for t in float_leaves(leaves_)]))
+    (y, aux, grads), (want_y, want_aux, want_grads) = results
+    assert y.device.type == device and aux.shape == ()
+    assert relative_error(y, want_y) < 1e-12 and relative_error(aux, want_aux) < 1e-12
+    assert len(grads) == len(want_grads) == (6 if name == "moe" else 1)
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) < 1e-10
+
+
 # --- the whole model ---------------------------------------------------------------------------
 
 TINY = dict(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=8)

@@ -3,6 +3,7 @@ for a wrong shape or value (CONVENTIONS.md, "Validation"). Every case runs on ev
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -21,11 +22,13 @@ from gptlab.layers.gqa import gqa_attention_forward, gqa_attention_step, gqa_for
 from gptlab.layers.layernorm import layernorm_forward
 from gptlab.layers.linear import linear_forward
 from gptlab.layers.mlp import mlp_forward
+from gptlab.layers.moe import moe_forward
 from gptlab.layers.position_learned import position_learned_forward
 from gptlab.layers.position_sinusoidal import position_sinusoidal_forward
 from gptlab.layers.relu import relu_forward
 from gptlab.layers.rmsnorm import rmsnorm_forward
 from gptlab.layers.rope import rope_forward
+from gptlab.layers.router import router_forward, top_k_experts
 from gptlab.layers.sdpa import sdpa_forward
 from gptlab.layers.silu import silu_forward
 from gptlab.layers.softmax import softmax_forward
@@ -323,6 +326,88 @@ def test_block_ln_order_is_checked(F):
         block_forward(F(B, T, C), p, n_head=NH, ln_order="middle")
 
 
+E = 4  # experts
+
+
+def _moe_weights(F, E=E, C=C, H=6):
+    """w_router (C, E), w_fc (E, C, H), b_fc (E, H), w_proj (E, H, C), b_proj (E, C)."""
+    return F(C, E), F(E, C, H), F(E, H), F(E, H, C), F(E, C)
+
+
+@pytest.mark.parametrize("position, bad, message", [
+    (0, (C + 1, E), "w_router has shape (5, 4), expected (4, *)"),
+    (1, (E - 1, C, 6), "w_fc has shape (3, 4, 6), expected (4, 4, *)"),
+    (1, (E, C + 1, 6), "w_fc has shape (4, 5, 6), expected (4, 4, *)"),
+    (2, (E, 5), "b_fc has shape (4, 5), expected (4, 6)"),
+    (3, (E, 6, C + 1), "w_proj has shape (4, 6, 5), expected (4, 6, 4)"),
+    (4, (C,), "b_proj has shape (4,), expected (4, 4)"),
+])  # fmt: skip
+def test_moe_weights_must_match_the_input_and_each_other(F, position, bad, message):
+    weights = list(_moe_weights(F))
+    weights[position] = F(*bad)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        moe_forward(F(B, T, C), *weights)
+
+
+@pytest.mark.parametrize("k", [0, E + 1, 1.0, True])
+def test_moe_k_must_be_between_1_and_the_number_of_experts(F, k):
+    message = f"k must be an integer between 1 and the number of experts E=4, got {k!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        moe_forward(F(B, T, C), *_moe_weights(F), k=k)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        top_k_experts(F(B * T, E), k)
+
+
+@pytest.mark.parametrize("capacity_factor", [0, 0.0, -1.0, "1"])
+def test_moe_capacity_factor_must_be_positive_or_none(F, capacity_factor):
+    with pytest.raises(ValueError, match=re.escape(f"capacity_factor must be a number > 0 or None "
+                                                   f"(no limit), got {capacity_factor!r}")):  # fmt: skip
+        moe_forward(F(B, T, C), *_moe_weights(F), capacity_factor=capacity_factor)
+
+
+def test_moe_and_router_settings_are_checked(F):
+    with pytest.raises(ValueError, match="renormalize must be True or False, got 1"):
+        moe_forward(F(B, T, C), *_moe_weights(F), renormalize=1)
+    with pytest.raises(ValueError, match=re.escape("aux_weight must be a number >= 0, got -0.1")):
+        moe_forward(F(B, T, C), *_moe_weights(F), aux_weight=-0.1)
+    with pytest.raises(ValueError, match="x must have at least 1 dimensions, got shape"):
+        moe_forward(F(), *_moe_weights(F))
+
+
+def test_top_k_experts_needs_finite_logits(F, backend):
+    for bad in (math.nan, math.inf, -math.inf):
+        logits = backend.asarray(np.array([[0.0, 1.0, bad, 2.0]]))
+        with pytest.raises(ValueError, match="logits must be finite: a NaN or infinite router"):
+            top_k_experts(logits, 2)
+
+
+def test_router_experts_must_be_integer_ids_of_the_right_shape(F):
+    with pytest.raises(TypeError, match="experts must be an integer array"):
+        router_forward(F(B * T, E), F(B * T, 2))
+    with pytest.raises(ValueError, match=re.escape("experts has shape (5, 2), expected (6, *)")):
+        router_forward(F(B * T, E), F.int(E, B * T - 1, 2))
+    with pytest.raises(ValueError, match=re.escape("experts.shape[1] (k) must be an integer "
+                                                   "between 1 and the number of experts E=4, "
+                                                   "got 5")):  # fmt: skip
+        router_forward(F(B * T, E), F.int(E, B * T, E + 1))
+    with pytest.raises(ValueError, match=re.escape("experts holds ids from 0 to 4; expert ids "
+                                                   "must lie in 0..3")):  # fmt: skip
+        router_forward(F(2, E), F.ints([[0], [4]]))
+    with pytest.raises(ValueError, match=re.escape("experts holds ids from -1 to 2")):
+        router_forward(F(2, E), F.ints([[2], [-1]]))
+    with pytest.raises(ValueError, match=re.escape("logits has shape (2, 3, 4), expected (*, *)")):
+        router_forward(F(2, 3, E), F.int(E, 2, 1))
+
+
+def test_moe_input_and_weights_share_a_dtype(backend):
+    b32 = get_backend(backend.name, "float32")
+    rng = np.random.default_rng(0)
+    weights = [backend.randn(rng, *shape) for shape in ((C, E), (E, C, 6), (E, 6), (E, 6, C),
+                                                        (E, C))]  # fmt: skip
+    with pytest.raises(TypeError, match="x has dtype .*float32 but w_router has dtype .*float64"):
+        moe_forward(b32.randn(rng, B, T, C), *weights)
+
+
 # --------------------------------------------------------------------------------------------
 # Wrong dtypes
 
@@ -357,6 +442,10 @@ def test_block_ln_order_is_checked(F):
         ("x", lambda F, i: swiglu_forward(i, F(C, 6), F(C, 6), F(6, C))),
         ("w_down", lambda F, i: swiglu_forward(F(B, T, C), F(C, 6), F(C, 6), F.int(3, 6, C))),
         ("x", lambda F, i: rope_forward(i)),
+        ("x", lambda F, i: moe_forward(i, *_moe_weights(F))),
+        ("w_router", lambda F, i: moe_forward(F(B, T, C), F.int(3, C, E), *_moe_weights(F)[1:])),
+        ("logits", lambda F, i: router_forward(F.int(3, B * T, E), F.int(E, B * T, 2))),
+        ("logits", lambda F, i: top_k_experts(F.int(3, B * T, E), 2)),
     ],
 )
 def test_integer_arrays_where_floats_are_needed(F, name, call):

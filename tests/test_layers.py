@@ -31,6 +31,7 @@ from conftest import (
 )
 from gptlab.backend import array_device
 from gptlab.backend import asarray_like  # the rotation stand-in of the gqa rows
+from gptlab.backend import array_namespace
 from gptlab.gradcheck import GradcheckEntry, GradcheckResult, check_layer
 from gptlab.layers.attention import (
     attention_backward,
@@ -68,6 +69,7 @@ from gptlab.layers.gqa import (
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
 from gptlab.layers.linear import linear_backward, linear_forward
 from gptlab.layers.mlp import mlp_backward, mlp_forward
+from gptlab.layers.moe import moe_backward, moe_forward
 from gptlab.layers.position_learned import position_learned_backward, position_learned_forward
 from gptlab.layers.position_sinusoidal import (
     position_sinusoidal_backward,
@@ -77,6 +79,7 @@ from gptlab.layers.position_sinusoidal import position_shift_matrix
 from gptlab.layers.relu import relu_backward, relu_forward
 from gptlab.layers.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gptlab.layers.rope import ROPE_PAIRINGS, rope_backward, rope_forward, rope_rotation_matrix
+from gptlab.layers.router import router_backward, router_forward, top_k_experts
 from gptlab.layers.sdpa import sdpa_backward, sdpa_forward
 from gptlab.layers.silu import silu_backward, silu_forward
 from gptlab.layers.softmax import softmax_backward, softmax_forward, softmax_jacobian
@@ -182,6 +185,62 @@ def _gqa_args(n_head, n_kv_head, Tq, Tk, *, masked=False):
         q = _normal(rng, B, n_head, Tq, HS)
         k, v = _normal(rng, B, n_kv_head, Tk, HS), _normal(rng, B, n_kv_head, Tk, HS)
         return (q, k, v, random_attention_mask(rng, (B, n_head, Tq, Tk))) if masked else (q, k, v)
+
+    return make
+
+
+E, MARGIN = 4, 0.5  # experts (E <= C); the gap between a token's consecutive router logits
+
+
+def _pair_as_one_output(forward, backward):
+    """A layer whose output is a pair (moe's (y, aux), the router's (gates, aux)) as a layer with
+    ONE flat output [y.ravel(), aux], so that every check of the table differentiates
+    F = sum(y * dy) + aux * daux: both outputs, both gradient paths. ``functools.wraps`` keeps
+    the layer's name, module and argument names."""
+
+    @functools.wraps(forward)
+    def forward_flat(*args, **hyperparams):
+        (y, aux), cache = forward(*args, **hyperparams)
+        xp = array_namespace(y)
+        return xp.concat([xp.reshape(y, (-1,)), xp.reshape(aux, (1,))]), (cache, tuple(y.shape))
+
+    @functools.wraps(backward)
+    def backward_flat(dout, cache):
+        cache, shape = cache
+        xp = array_namespace(dout)
+        n = math.prod(shape)
+        return backward((xp.reshape(dout[:n], shape), dout[n]), cache)
+
+    return forward_flat, backward_flat
+
+
+MOE = _pair_as_one_output(moe_forward, moe_backward)
+ROUTER = _pair_as_one_output(router_forward, router_backward)
+
+
+def _moe_args(rng):
+    """x (B, T, C) and the weights of E experts, the router logits built FIRST with a clear
+    margin: each token's logits are a shuffled MARGIN * [0, 1, ..., E-1] plus noise below
+    MARGIN / 4, so consecutive logits stay more than 0.75 MARGIN apart, and
+    x = logits @ pinv(w_router) gives exactly those logits (w_router = 2 Q, Q orthogonal (C, E)).
+    No finite-difference step then changes the top-k choice: near a tie the layer jumps, and
+    finite differences there measure the jump, not the gradient."""
+    w_router = 2.0 * np.linalg.qr(_normal(rng, C, E))[0]  # (C, E)
+    order = np.stack([rng.permutation(E) for _ in range(B * T)])  # (B*T, E)
+    logits = MARGIN * order + rng.uniform(0.0, MARGIN / 4, (B * T, E))  # (B*T, E)
+    x = np.reshape(logits @ np.linalg.pinv(w_router), (B, T, C))
+    experts = [0.5 * _normal(rng, *shape) for shape in ((E, C, 4 * C), (E, 4 * C), (E, 4 * C, C),
+                                                        (E, C))]  # fmt: skip
+    return (x, w_router, *experts)
+
+
+def _router_args(k):
+    """logits (B*T, E) and k distinct experts per token (any choice: the router is smooth in the
+    logits for a fixed choice, so no margin is needed here)."""
+
+    def make(rng):
+        experts = np.stack([rng.permutation(E)[:k] for _ in range(B * T)])  # (B*T, k)
+        return _normal(rng, B * T, E), experts
 
     return make
 
@@ -321,6 +380,18 @@ CASES = [
          lambda rng: (_normal(rng, B, NH, T, ROPE_HS),), {"pairing": "adjacent", "start": 5}),
     Case("rope_no_lead_base", rope_forward, rope_backward, lambda rng: (_normal(rng, T, 4),),
          {"base": 100.0, "start": 2, "pairing": "adjacent"}),
+    Case("router_k2_renormalized", *ROUTER, _router_args(2),
+         {"renormalize": True, "aux_weight": 0.5}),
+    Case("router_k1_raw", *ROUTER, _router_args(1), {"renormalize": False, "aux_weight": 0.5}),
+    Case("moe_k1_switch", *MOE, _moe_args, {"k": 1, "renormalize": False, "aux_weight": 0.0}),
+    Case("moe_k1_renormalized_aux", *MOE, _moe_args,
+         {"k": 1, "renormalize": True, "aux_weight": 1.0}),
+    Case("moe_k2_mixtral", *MOE, _moe_args, {"k": 2, "renormalize": True, "aux_weight": 0.0}),
+    Case("moe_k2_raw_aux", *MOE, _moe_args, {"k": 2, "renormalize": False, "aux_weight": 0.5}),
+    Case("moe_k1_capacity_drops", *MOE, _moe_args,
+         {"k": 1, "renormalize": False, "capacity_factor": 0.5, "aux_weight": 0.5}),
+    Case("moe_k2_capacity_drops", *MOE, _moe_args,
+         {"k": 2, "renormalize": True, "capacity_factor": 0.5, "aux_weight": 0.5}),
 ]  # fmt: skip
 CASE_IDS = [case.id for case in CASES]
 
@@ -870,6 +941,147 @@ def test_kv_cache_size_of_llama2_70b():
     assert kv_cache_size(80, 8, 128, 1, "float16").nbytes == 320 * 1024
     assert kv_cache_size(80, 64, 128, 1, "float16").nbytes == 2.5 * 1024 * 1024
     assert kv_cache_size(80, 8, 128, 4096, "float16").nbytes == 4096 * 320 * 1024
+def _moe_reference(x, w_router, w_fc, b_fc, w_proj, b_proj, *, k, renormalize, capacity_factor,
+                   aux_weight):
+    """The mixture of experts written plainly, one token at a time, in NumPy:
+    (y (B, T, C), aux, experts (B*T, k), kept (B*T, k))."""
+    tokens = x.reshape(-1, x.shape[-1])  # (N, C)
+    N, E = tokens.shape[0], w_router.shape[1]
+    capacity = N if capacity_factor is None else math.ceil(capacity_factor * N * k / E)
+    taken = [0] * E  # tokens each expert has accepted so far, in token order
+    chosen_count, prob_sum = np.zeros(E), np.zeros(E)
+    y, experts, kept = np.zeros_like(tokens), [], []
+    for n, token in enumerate(tokens):
+        logits = token @ w_router
+        probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        prob_sum += probs
+        chosen = sorted(range(E), key=lambda e: (-logits[e], e))[:k]  # largest; ties: lower id
+        total = sum(probs[e] for e in chosen) if renormalize else 1.0
+        experts.append(chosen)
+        kept.append([])
+        for e in chosen:
+            chosen_count[e] += 1
+            kept[-1].append(taken[e] < capacity)
+            if taken[e] < capacity:
+                taken[e] += 1
+                h = token @ w_fc[e] + b_fc[e]
+                h = 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+                y[n] += probs[e] / total * (h @ w_proj[e] + b_proj[e])
+    aux = aux_weight * E * np.sum(chosen_count / (N * k) * prob_sum / N)
+    return y.reshape(x.shape), aux, np.array(experts), np.array(kept)
+
+
+MOE_SETTINGS = [  # k, renormalize, capacity_factor, aux_weight
+    dict(zip(("k", "renormalize", "capacity_factor", "aux_weight"), row))
+    for row in ((1, False, None, 0.01), (1, True, 1.0, 0.1), (2, True, None, 0.01),
+                (2, False, 0.75, 0.0), (3, True, 0.5, 1.0))
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("settings", MOE_SETTINGS, ids=lambda s: "-".join(map(str, s.values())))
+def test_moe_equals_a_slow_loop_over_tokens(backend, settings):
+    """Random inputs (no margins needed: forward only), 2 x 8 tokens, so that capacity drops."""
+    rng = np.random.default_rng(settings["k"])
+    shapes = ((2, 8, C), (C, E), (E, C, 6), (E, 6), (E, 6, C), (E, C))
+    args = [rng.standard_normal(shape) for shape in shapes]
+    (y, aux), cache = moe_forward(*map(backend.asarray, args), **settings)
+    y_ref, aux_ref, experts_ref, kept_ref = _moe_reference(*args, **settings)
+    np.testing.assert_allclose(to_host(y), y_ref, rtol=1e-12, atol=1e-13)
+    assert float(to_host(aux)) == pytest.approx(aux_ref, rel=1e-12, abs=1e-15)
+    stats = to_host(cache["stats"])
+    np.testing.assert_array_equal(stats["experts"].reshape(-1, settings["k"]), experts_ref)
+    np.testing.assert_array_equal(stats["kept"].reshape(-1, settings["k"]), kept_ref)
+    assert stats["dropped"] == np.sum(~kept_ref)
+    np.testing.assert_array_equal(stats["load"], np.bincount(experts_ref[kept_ref], minlength=E))
+    np.testing.assert_array_equal(stats["routed"], np.bincount(experts_ref.ravel(), minlength=E))
+    if settings["capacity_factor"] is not None and settings["capacity_factor"] < 1:
+        assert stats["dropped"] > 0  # the drop rows do drop
+
+
+def test_moe_capacity_rows_of_the_table_drop_tokens():
+    """capacity_factor 0.5 leaves ceil(N k / 2E) * E < N k places: some choices must drop."""
+    for case in CASES:
+        if case.hyperparams.get("capacity_factor") is not None:
+            (_, _), cache = moe_forward(*case.make(np.random.default_rng(0)), **case.hyperparams)
+            assert cache["stats"]["dropped"] > 0, case.id
+
+
+def test_top_k_experts_breaks_ties_to_the_lower_id(backend):
+    logits = backend.asarray(np.array([[1.0, 1.0, 1.0, 0.0], [0.0, 2.0, 2.0, 2.0],
+                                       [3.0, -1.0, 3.0, 5.0], [0.0, 0.0, 0.0, 0.0]]))  # fmt: skip
+    np.testing.assert_array_equal(to_host(top_k_experts(logits, 2)),
+                                  [[0, 1], [1, 2], [3, 0], [0, 1]])  # fmt: skip
+    np.testing.assert_array_equal(to_host(top_k_experts(logits, 4)),
+                                  [[0, 1, 2, 3], [1, 2, 3, 0], [3, 0, 2, 1], [0, 1, 2, 3]])  # fmt: skip
+
+
+def test_moe_capacity_keeps_the_first_tokens_in_token_order(backend):
+    """Every token prefers expert 2 (k=1); capacity ceil(2.0 * 6 * 1 / 4) = 3 keeps the first
+    three: the later tokens are dropped, get y = 0, and (aux_weight 0) get no gradient at all."""
+    rng = np.random.default_rng(3)
+    x_host = np.abs(rng.standard_normal((1, 6, C))) + 0.1  # positive: logit 2 is the largest
+    w_router = np.zeros((C, E))
+    w_router[:, 2] = 1.0
+    args = [x_host, w_router, *_moe_args(rng)[2:]]
+    (y, _), cache = moe_forward(*map(backend.asarray, args), k=1, capacity_factor=2.0,
+                                aux_weight=0.0)  # fmt: skip
+    capacity = math.ceil(2.0 * 6 * 1 / E)  # 3
+    stats = to_host(cache["stats"])
+    assert stats["capacity"] == capacity and stats["dropped"] == 6 - capacity
+    np.testing.assert_array_equal(stats["kept"][0, :, 0], [True] * capacity + [False] * 3)
+    np.testing.assert_array_equal(stats["load"], [0, 0, capacity, 0])
+    assert np.all(to_host(y)[0, capacity:] == 0.0) and np.all(to_host(y)[0, :capacity] != 0.0)
+    dx, *_ = moe_backward((backend.randn(rng, 1, 6, C), 0.0), cache)
+    assert np.all(to_host(dx)[0, capacity:] == 0.0)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_gates_and_unselected_logits(backend, renormalize):
+    """aux_weight 0, the choice of experts fixed. Renormalized, the gates are a softmax over the
+    CHOSEN logits alone: moving an unchosen logit (here anywhere below the chosen ones, so the
+    top-k stays) leaves the gates, hence the loss, unchanged, and its gradient is exactly 0.
+    Raw (renormalize=False), a gate is a full-softmax probability, whose denominator holds
+    every logit: the gates change and unchosen logits get a gradient. The CHOSEN logits matter
+    either way."""
+    rng = np.random.default_rng(5)
+    k = 2
+    logits_host = rng.standard_normal((B * T, E))
+    experts_host = to_host(top_k_experts(backend.asarray(logits_host), k))
+    unchosen = np.ones((B * T, E), dtype=bool)
+    np.put_along_axis(unchosen, experts_host, False, axis=1)
+    kth = np.take_along_axis(logits_host, experts_host, axis=1).min(axis=1, keepdims=True)
+    moved = np.where(unchosen, kth - 0.1 - 3 * rng.random((B * T, E)), logits_host)  # still top-k
+    experts = backend.asarray(experts_host)
+    assert np.array_equal(to_host(top_k_experts(backend.asarray(moved), k)), experts_host)
+    (gates, _), cache = router_forward(backend.asarray(logits_host), experts,
+                                       renormalize=renormalize)  # fmt: skip
+    (gates_moved, _), _ = router_forward(backend.asarray(moved), experts, renormalize=renormalize)
+    dgates = backend.randn(rng, B * T, k)
+    (dlogits,) = router_backward((dgates, 0.0), cache)
+    if renormalize:
+        np.testing.assert_allclose(to_host(gates_moved), to_host(gates), rtol=1e-14, atol=0)
+        assert np.all(np.abs(to_host(dlogits)[unchosen]) < 1e-15)
+    else:
+        assert np.all(np.abs(to_host(gates_moved) - to_host(gates)) > 1e-6)
+        assert np.all(np.abs(to_host(dlogits)[unchosen]) > 1e-8)
+    assert np.all(np.abs(to_host(dlogits)[~unchosen]) > 1e-8)
+
+
+def test_moe_k1_renormalized_router_learns_from_aux_alone(backend):
+    """k = 1 renormalized: the gate is p/p = 1 whatever the logits, so the loss reaches the
+    router only through aux: dw_router is 0 with aux_weight 0, and with aux_weight > 0 it is
+    the aux gradient alone (dy = 0 gives the same dw_router)."""
+    args = [backend.asarray(a) for a in _moe_args(np.random.default_rng(0))]
+    dy = backend.randn(np.random.default_rng(1), B, T, C)
+    (_, _), cache = moe_forward(*args, k=1, renormalize=True, aux_weight=0.0)
+    np.testing.assert_array_equal(to_host(cache["stats"]["gates"]), np.ones((B, T, 1)))
+    _, dw_router, *_ = moe_backward((dy, 1.0), cache)
+    assert np.all(to_host(dw_router) == 0.0)
+    (_, _), cache = moe_forward(*args, k=1, renormalize=True, aux_weight=0.5)
+    _, dw_router, *_ = moe_backward((dy, 1.0), cache)
+    _, dw_router_aux, *_ = moe_backward((dy * 0.0, 1.0), cache)
+    assert np.any(to_host(dw_router) != 0.0)
+    np.testing.assert_allclose(to_host(dw_router), to_host(dw_router_aux), rtol=1e-13, atol=1e-15)
 
 
 def test_every_layer_module_is_in_the_table():

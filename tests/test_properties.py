@@ -17,6 +17,7 @@ import functools
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -32,6 +33,7 @@ from gptlab.layers.gqa import gqa_attention_backward, gqa_attention_forward, gqa
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
 from gptlab.layers.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gptlab.layers.rope import ROPE_PAIRINGS, rope_backward, rope_forward
+from gptlab.layers.moe import moe_backward, moe_forward
 from gptlab.layers.sdpa import causal_mask, sdpa_backward, sdpa_forward
 from gptlab.layers.silu import silu_forward
 from gptlab.layers.softmax import softmax_forward
@@ -563,3 +565,102 @@ def test_rope_sees_relative_positions_only(s, shift, tail):
     y, _ = rope_forward(q, **hyper)
     y_tail, _ = rope_forward(q[..., first:, :], **dict(hyper, start=s["start"] + first))
     np.testing.assert_allclose(y_tail, y[..., first:, :], rtol=1e-13, atol=1e-13)
+# Mixture of experts: random shapes, k <= E, with and without capacity drops
+
+moe_shapes = st.integers(1, 4).flatmap(lambda E: st.fixed_dictionaries({
+    "B": st.integers(1, 2), "T": st.integers(1, 5), "C": st.integers(1, 4), "H": st.integers(1, 5),
+    "E": st.just(E), "k": st.integers(1, E), "renormalize": st.booleans(),
+    "capacity_factor": st.sampled_from([None, 0.25, 0.5, 1.0, 2.0]),
+    "aux_weight": st.sampled_from([0.0, 0.3]), "seed": st.integers(0, 2**16),
+}))  # fmt: skip
+
+
+def _moe_settings(s) -> dict:
+    return {key: s[key] for key in ("k", "renormalize", "capacity_factor", "aux_weight")}
+
+
+def _moe_run(s, backend_name="numpy", **overrides):
+    """(inputs, (y, aux), cache, dout, grads) of one MoE forward and backward, from ``s``."""
+    backend, rng = get_backend(backend_name), np.random.default_rng(s["seed"])
+    B, T, C, H, E = s["B"], s["T"], s["C"], s["H"], s["E"]
+    shapes = ((B, T, C), (C, E), (E, C, H), (E, H), (E, H, C), (E, C))
+    inputs = [backend.asarray(rng.standard_normal(shape)) for shape in shapes]
+    (y, aux), cache = moe_forward(*inputs, **{**_moe_settings(s), **overrides})
+    dout = (backend.randn(rng, B, T, C), float(rng.standard_normal()))
+    return inputs, (y, aux), cache, dout, moe_backward(dout, cache)
+
+
+@fast()
+@given(s=moe_shapes, backend_name=backends)
+def test_moe_backward_over_shapes_matches_autograd(s, backend_name):
+    """Autograd differentiates the same forward at the same point (the same choice of experts,
+    the same drops), so no margin between router logits is needed."""
+    inputs, _, _, (dy, daux), grads = _moe_run(s, backend_name)
+    leaves = [torch.tensor(to_host(a), requires_grad=True) for a in inputs]
+    (y, aux), _ = moe_forward(*leaves, **_moe_settings(s))
+    loss = torch.sum(y * torch.tensor(to_host(dy))) + aux * daux
+    expected = torch.autograd.grad(loss, leaves, allow_unused=True)
+    for name, grad, want in zip(("dx", "dw_router", "dw_fc", "db_fc", "dw_proj", "db_proj"),
+                                grads, expected):  # fmt: skip
+        want = np.zeros(tuple(grad.shape)) if want is None else want.numpy()
+        np.testing.assert_allclose(to_host(grad), want, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@fast()
+@given(s=moe_shapes)
+def test_moe_gates_are_the_chosen_probabilities(s):
+    """Renormalized: each token's gates sum to 1 (the chosen probabilities rescaled); raw: they
+    ARE the chosen probabilities, summing to at most 1. Either way, best first."""
+    _, _, cache, _, _ = _moe_run(s)
+    stats = cache["stats"]
+    chosen = np.take_along_axis(stats["probs"], stats["experts"], axis=-1)  # (B, T, k)
+    if s["renormalize"]:
+        np.testing.assert_allclose(stats["gates"].sum(axis=-1), 1.0, rtol=1e-14)
+        np.testing.assert_allclose(stats["gates"], chosen / chosen.sum(-1, keepdims=True), rtol=1e-14)
+    else:
+        np.testing.assert_array_equal(stats["gates"], chosen)
+        assert np.all(stats["gates"].sum(axis=-1) <= 1.0 + 1e-15)
+    assert np.all(np.diff(stats["gates"], axis=-1) <= 0.0)
+
+
+@fast()
+@given(s=moe_shapes)
+def test_moe_dropped_tokens_get_zero_output_and_zero_gradient_from_the_expert(s):
+    """An expert's weights learn only from the tokens it took: changing dy at every other token
+    leaves its gradients bit for bit the same. A token dropped by all its k experts gets y = 0,
+    and (aux_weight 0) dx = 0: with the block's residual it passes through unchanged."""
+    inputs, (y, _), cache, (dy, _), grads = _moe_run({**s, "capacity_factor": 0.25},
+                                                     aux_weight=0.0)  # fmt: skip
+    stats = cache["stats"]
+    assume(stats["dropped"] > 0)
+    dropped_all = ~np.any(stats["kept"], axis=-1)  # (B, T)
+    assert np.all(y[dropped_all] == 0.0) and np.all(grads[0][dropped_all] == 0.0)
+    rng = np.random.default_rng(s["seed"] + 1)
+    for e in range(s["E"]):
+        took = np.any((stats["experts"] == e) & stats["kept"], axis=-1)  # (B, T)
+        other_dy = np.where(took[..., None], dy, rng.standard_normal(dy.shape))
+        other = moe_backward((other_dy, 0.0), cache)
+        for grad, grad_other in zip(grads[2:], other[2:]):  # dw_fc, db_fc, dw_proj, db_proj
+            np.testing.assert_array_equal(grad[e], grad_other[e])
+
+
+@fast()
+@given(s=moe_shapes, data=st.data())
+def test_moe_without_drops_does_not_depend_on_token_order(s, data):
+    """With no capacity limit the tokens do not compete: shuffling them shuffles y and dx alike
+    and leaves aux and the weight gradients as they were. (With a limit, token order decides
+    who is dropped.)"""
+    s = {**s, "capacity_factor": data.draw(st.sampled_from([None, float(s["E"])]))}
+    inputs, (y, aux), cache, (dy, daux), grads = _moe_run(s)
+    assert cache["stats"]["dropped"] == 0
+    N, C = s["B"] * s["T"], s["C"]
+    perm = np.random.default_rng(s["seed"]).permutation(N)
+    x_perm = inputs[0].reshape(N, C)[perm][None]  # (1, N, C)
+    (y_perm, aux_perm), cache_perm = moe_forward(x_perm, *inputs[1:], **_moe_settings(s))
+    grads_perm = moe_backward((dy.reshape(N, C)[perm][None], daux), cache_perm)
+    np.testing.assert_allclose(y_perm[0], y.reshape(N, C)[perm], rtol=1e-13, atol=1e-14)
+    assert float(aux_perm) == pytest.approx(float(aux), rel=1e-13, abs=1e-16)
+    np.testing.assert_allclose(grads_perm[0][0], grads[0].reshape(N, C)[perm], rtol=1e-12,
+                               atol=1e-13)  # fmt: skip
+    for grad, grad_perm in zip(grads[1:], grads_perm[1:]):
+        np.testing.assert_allclose(grad_perm, grad, rtol=1e-11, atol=1e-12)
