@@ -10,7 +10,7 @@ GELU_FORMS = ("tanh", "erf")  # GPT-2's tanh approximation; the exact x * Phi(x)
 # configs stored before "erf" say. GPTConfig and TrainConfig store the canonical "erf".
 GELU_ALIASES = {"exact": "erf", "none": "erf"}
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "swiglu", "moe")
 POSITIONS = ("learned", "sinusoidal", "rope")
 SWIGLU_MULTIPLE_OF = 256  # LLaMA rounds its SwiGLU width up to a multiple of this
 
@@ -37,8 +37,13 @@ class GPTConfig:
 
     - ``norm``: "layernorm" (GPT-2) or "rmsnorm" (LLaMA; a gain, no bias), for ln_1, ln_2 and ln_f;
       ``layer_norm_epsilon`` is the eps of either.
-    - ``mlp``: "gelu" (GPT-2's c_fc, GELU, c_proj) or "swiglu" (LLaMA's gate_proj, up_proj,
-      down_proj, no biases). ``mlp_hidden`` is its width; None: 4 * n_embd for "gelu" and LLaMA's
+    - ``mlp``: "gelu" (GPT-2's c_fc, GELU, c_proj), "swiglu" (LLaMA's gate_proj, up_proj,
+      down_proj, no biases) or "moe", a mixture of ``n_expert`` GELU MLPs with biases (layers/
+      moe.py): a router sends each token to ``expert_top_k`` of them (gates renormalized over
+      the chosen, as Mixtral), an expert takes at most ``capacity_factor`` times its fair share
+      of a batch's tokens (None: no limit), and every block's load-balancing loss, weighted by
+      ``aux_loss_weight``, adds to the training loss. ``mlp_hidden`` is the width of the MLP (of
+      each expert); None: 4 * n_embd for "gelu" and "moe" and LLaMA's
       ``swiglu_hidden_size(n_embd)`` for "swiglu" (see ``mlp_hidden_size``).
     - ``position``: "learned" (GPT-2's wpe), "sinusoidal" (the fixed encoding, added to the
       embeddings) or "rope" (rotary embeddings: q and k turned by their positions in every
@@ -69,6 +74,10 @@ class GPTConfig:
     n_kv_head: int | None = None
     rope_base: float = 10000.0
     tie_embeddings: bool = True
+    n_expert: int | None = None
+    expert_top_k: int = 2
+    capacity_factor: float | None = None
+    aux_loss_weight: float = 0.01
 
     @classmethod
     def llama(cls, **fields) -> GPTConfig:
@@ -88,7 +97,7 @@ class GPTConfig:
             object.__setattr__(self, "gelu", GELU_ALIASES.get(self.gelu, self.gelu))
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
             _require_positive_int(name, getattr(self, name))
-        for name in ("mlp_hidden", "n_kv_head"):
+        for name in ("mlp_hidden", "n_kv_head", "n_expert"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name), "or None")
         if self.n_embd % self.n_head != 0:
@@ -124,12 +133,39 @@ class GPTConfig:
                 math.isfinite(base) and base > 0.0):
             raise ValueError(f"GPTConfig.rope_base must be a positive number, got {base!r}")
         biased = [name for name, has_bias in (("LayerNorm", self.norm == "layernorm"),
-                                              ("the GELU MLP", self.mlp == "gelu"),
+                                              ("the GELU MLP", self.mlp in ("gelu", "moe")),
                                               ("GPT-2's attention", not self.grouped_attention))
                   if has_bias]  # fmt: skip
         if self.bias and not biased:
             raise ValueError("bias=True, but RMSNorm, SwiGLU and LLaMA's attention have no "
                              "biases: set bias=False")  # fmt: skip
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields: n_expert with mlp="moe" only, 1 <= top_k <= n_expert."""
+        if self.mlp != "moe":
+            for name in ("n_expert", "capacity_factor"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs mlp='moe', got "
+                                     f"mlp={self.mlp!r}")  # fmt: skip
+            return
+        if self.n_expert is None:
+            raise ValueError("mlp='moe' needs n_expert, the number of experts")
+        if not self.bias:
+            raise ValueError("the experts of mlp='moe' are GELU MLPs with biases (layers/moe.py): "
+                             "bias=False cannot leave them out")  # fmt: skip
+        k = self.expert_top_k
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n_expert:
+            raise ValueError(f"GPTConfig.expert_top_k must be an integer from 1 to n_expert="
+                             f"{self.n_expert}, got {k!r}")  # fmt: skip
+        factor = self.capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                   or not factor > 0):
+            raise ValueError(f"GPTConfig.capacity_factor must be a number > 0 or None (no limit), "
+                             f"got {factor!r}")  # fmt: skip
+        weight = self.aux_loss_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+            raise ValueError(f"GPTConfig.aux_loss_weight must be a number >= 0, got {weight!r}")
 
     @property
     def gelu_approximate(self) -> str:
@@ -153,7 +189,8 @@ class GPTConfig:
 
     @property
     def mlp_hidden_size(self) -> int:
-        """The MLP's hidden width: mlp_hidden, else 4 * n_embd (GELU) or LLaMA's SwiGLU width."""
+        """The MLP's hidden width: mlp_hidden, else 4 * n_embd (GELU, the experts) or LLaMA's
+        SwiGLU width."""
         if self.mlp_hidden is not None:
             return self.mlp_hidden
         return swiglu_hidden_size(self.n_embd) if self.mlp == "swiglu" else 4 * self.n_embd

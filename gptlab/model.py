@@ -11,7 +11,8 @@ Hugging Face GPT-2 state dict maps onto it by renaming alone (see ``gptlab.inter
 A LLaMA-style config (``GPTConfig.llama``) changes the parts, not the plan: no position is added
 (RoPE turns q and k inside every attention), the blocks and LN_f use RMSNorm, SwiGLU and
 grouped-query attention (``layers/block.py``), and the head is its own matrix,
-logits = RMSNorm_f(x_L) @ lm_head (C, V).
+logits = RMSNorm_f(x_L) @ lm_head (C, V). With mixture-of-experts MLPs (mlp="moe") every block
+also returns its load-balancing loss aux_l, and loss = cross_entropy + sum_l aux_l.
 
 Book: chapter 4 (forward) and chapter 9 (backward).
 """
@@ -62,7 +63,7 @@ def param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
 def _block_sizes(cfg: GPTConfig) -> dict:
     """The keywords of ``block_param_shapes`` besides C and bias."""
     return dict(n_head=cfg.n_head, n_kv_head=cfg.kv_heads if cfg.grouped_attention else None,
-                norm=cfg.norm, mlp=cfg.mlp, hidden=cfg.mlp_hidden_size)
+                norm=cfg.norm, mlp=cfg.mlp, hidden=cfg.mlp_hidden_size, n_expert=cfg.n_expert)
 
 
 def block_options(cfg: GPTConfig) -> dict:
@@ -70,7 +71,10 @@ def block_options(cfg: GPTConfig) -> dict:
     return dict(n_head=cfg.n_head, ln_order=cfg.ln_order, gelu=cfg.gelu_approximate,
                 eps=cfg.layer_norm_epsilon, dropout=cfg.dropout, norm=cfg.norm, mlp=cfg.mlp,
                 n_kv_head=cfg.kv_heads if cfg.grouped_attention else None,
-                rope_base=cfg.rope_base if cfg.position == "rope" else None)
+                rope_base=cfg.rope_base if cfg.position == "rope" else None,
+                moe=None if cfg.mlp != "moe" else dict(k=cfg.expert_top_k,
+                                                       capacity_factor=cfg.capacity_factor,
+                                                       aux_weight=cfg.aux_loss_weight))
 
 
 def head_weight(params: dict, cfg: GPTConfig):
@@ -84,7 +88,7 @@ def count_params(cfg: GPTConfig) -> int:
 
 
 RESIDUAL_PROJECTIONS = ("attn.c_proj.weight", "mlp.c_proj.weight", "attn.o_proj.weight",
-                        "mlp.down_proj.weight")  # the layers that write into the residual stream
+                        "mlp.down_proj.weight", "mlp.experts.c_proj.weight")  # write the residual
 
 
 def init_params(cfg: GPTConfig, seed: int = 0, backend: str = "numpy", dtype="float32",
@@ -92,7 +96,8 @@ def init_params(cfg: GPTConfig, seed: int = 0, backend: str = "numpy", dtype="fl
     """A fresh flat dict of parameters, initialised as nanoGPT does after GPT-2.
 
     Weights and both embedding tables ~ N(0, 0.02) (OpenAI's GPT-2 release drew wpe with 0.01),
-    the two residual projections of every block (c_proj, or LLaMA's o_proj and down_proj) scaled
+    the two residual projections of every block (c_proj, LLaMA's o_proj and down_proj, the
+    experts' c_proj) scaled
     by 1/sqrt(2 n_layer) (GPT-2), biases 0, LayerNorm and RMSNorm gains 1, an untied lm_head
     ~ N(0, 0.02). The numbers are drawn in float64 by
     NumPy from ``seed`` and then converted, so every backend, dtype and device starts from the
@@ -153,9 +158,10 @@ def _check_idx(idx, cfg: GPTConfig, name: str = "idx") -> None:
 def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed: int | None = None):
     """idx (B, T) token ids -> (logits (B, T, V), loss or None, cache).
 
-    ``targets`` (B, T) gives the mean next-token cross-entropy. Dropout (``cfg.dropout``) is
-    applied only when ``dropout_seed`` is given: a training step passes a fresh seed, evaluation
-    passes none.
+    ``targets`` (B, T) gives the mean next-token cross-entropy, plus the blocks' load-balancing
+    losses in a model with experts (their sum is ``cache["aux_loss"]``). Dropout
+    (``cfg.dropout``) is applied only when ``dropout_seed`` is given: a training step passes a
+    fresh seed, evaluation passes none.
     """
     check_params(params, cfg)
     _check_idx(idx, cfg)
@@ -175,10 +181,13 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
     if training:
         x, cache["drop"] = dropout_forward(x, p=cfg.dropout, seed=dropout_seed)  # (B, T, C)
     opts = block_options(cfg)
-    cache["blocks"] = []
+    cache["blocks"], aux_losses = [], []
     for layer in range(cfg.n_layer):
         seed = None if not training else dropout_seed + 2 * (layer + 1)
         x, block_cache = block_forward(x, block_params(params, layer), **opts, seed=seed)  # (B,T,C)
+        if cfg.mlp == "moe":
+            x, aux = x  # a block of experts returns its load-balancing loss too
+            aux_losses.append(aux)
         cache["blocks"].append(block_cache)
     xf, cache["ln_f"] = block_norm(x, params, "ln_f", opts)  # (B, T, C)
     head = head_weight(params, cfg)  # (C, V), GPT-2's is wte^T
@@ -187,6 +196,9 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
     loss = None
     if targets is not None:
         loss, cache["loss"] = cross_entropy_forward(logits, targets)  # ()
+        if aux_losses:
+            cache["aux_loss"] = sum(aux_losses)  # ()
+            loss = loss + cache["aux_loss"]  # ()
     return logits, loss, cache
 
 
@@ -194,9 +206,10 @@ def gpt_backward(cache, dlogits=None) -> dict:
     """Gradients of the loss (or of sum(logits * dlogits)) for every parameter, by name.
 
     Without ``dlogits`` the forward must have been given targets: the backward starts from
-    dloss = 1.
+    dloss = 1 (which reaches every block's load-balancing loss too, daux = 1).
     """
     cfg = cache["cfg"]
+    daux = 0.0 if dlogits is not None else 1.0  # loss = cross_entropy + sum of the blocks' aux
     if dlogits is None:
         if "loss" not in cache:
             raise ValueError("gpt_backward needs the forward to have computed a loss (pass "
@@ -216,8 +229,9 @@ def gpt_backward(cache, dlogits=None) -> dict:
     dx, dln_f = part_backward(dxf, cache["ln_f"])  # (B, T, C)
     grads.update(dln_f)
     for layer in reversed(range(cfg.n_layer)):
-        # x = block(x)
-        dx, dblock = block_backward(dx, cache["blocks"][layer])  # (B, T, C)
+        # x = block(x), or (x, aux) = block(x) with experts
+        dout = (dx, daux) if cfg.mlp == "moe" else dx
+        dx, dblock = block_backward(dout, cache["blocks"][layer])  # (B, T, C)
         grads.update({f"h.{layer}.{name}": g for name, g in dblock.items()})
     if cache["training"]:
         (dx,) = dropout_backward(dx, cache["drop"])  # (B, T, C)

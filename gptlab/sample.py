@@ -13,7 +13,10 @@ do not change when a token is appended. The KV cache keeps them (per layer, (B, 
 each step runs the model on the NEW positions only: O(T) work per token instead of O(T^2).
 With grouped-query attention it keeps the NKV key/value heads only, (B, NKV, T, hs), and with
 rotary embeddings the new queries and keys are turned as positions Tp, Tp + 1, ... (Tp = the
-cache length); the cached keys were turned when they were new.
+cache length); the cached keys were turned when they were new. A mixture of experts generates
+without its capacity limit: which tokens an expert drops depends on how many tokens are routed
+together, which differs between cached and uncached decoding, so ``generate`` routes every token
+to its experts.
 
 Book: chapter 12, "Generation".
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -94,7 +97,8 @@ def _block_step(x, p, k_past, v_past, cfg: GPTConfig, Tp: int):
         return block_norm(z, p, name, opts)[0]
 
     def mlp(z):
-        return block_mlp(z, p, opts)[0]
+        y, _ = block_mlp(z, p, opts)
+        return y[0] if cfg.mlp == "moe" else y  # a mixture of experts returns (y, aux)
 
     def attention(z):
         if not cfg.grouped_attention:
@@ -212,8 +216,11 @@ def _last_logits(params, cfg: GPTConfig, ids: list[int], cache: KVCache | None):
 
     The context is the last block_size ids. With a cache, only the ids it lacks are run; once the
     sequence is longer than block_size every window starts at a new position, so the cache is
-    rebuilt from the cropped window (learned positions must be those of the window).
+    rebuilt from the cropped window (learned positions must be those of the window). Experts
+    take every token routed to them (no capacity limit), with or without the cache.
     """
+    if cfg.capacity_factor is not None:
+        cfg = replace(cfg, capacity_factor=None)
     wte = params["wte.weight"]
     window = ids[-cfg.block_size :]
     if cache is None:

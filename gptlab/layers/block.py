@@ -12,6 +12,10 @@ Each of the three parts comes in two kinds, chosen independently (``GPTConfig`` 
                           ``rope_base`` rotary embeddings on q and k   gqa.py, rope.py
     mlp   "gelu"       gelu(x @ c_fc + b) @ c_proj + b                mlp.py
           "swiglu"     (silu(x @ gate_proj) * (x @ up_proj)) @ down_proj     swiglu.py
+          "moe"        a router and E GELU MLPs (mlp.router, mlp.experts.*)   moe.py
+
+A block with a mixture of experts returns the pair (y, aux), aux its load-balancing loss, and its
+backward takes the pair (dy, daux), as ``moe_forward`` and ``moe_backward`` do.
 
 ``p`` holds the block's parameters without the ``h.{i}.`` prefix (``ln_1.weight``,
 ``attn.c_attn.weight``, ``attn.q_proj.weight``, ``mlp.gate_proj.weight``, ...; see
@@ -32,6 +36,7 @@ from .dropout import dropout_backward, dropout_forward
 from .gqa import gqa_attention_backward, gqa_attention_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .mlp import mlp_backward, mlp_forward
+from .moe import moe_backward, moe_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .rope import rope_backward, rope_forward
 from .swiglu import swiglu_backward, swiglu_forward
@@ -41,24 +46,28 @@ NORM_NAMES = {"layernorm": ("weight", "bias"), "rmsnorm": ("weight",)}
 GPT2_ATTN_NAMES = ("c_attn.weight", "c_attn.bias", "c_proj.weight", "c_proj.bias")
 GROUPED_ATTN_NAMES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
 MLP_NAMES = {"gelu": ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"),
-             "swiglu": ("gate_proj.weight", "up_proj.weight", "down_proj.weight")}
+             "swiglu": ("gate_proj.weight", "up_proj.weight", "down_proj.weight"),
+             "moe": ("router.weight", "experts.c_fc.weight", "experts.c_fc.bias",
+                     "experts.c_proj.weight", "experts.c_proj.bias")}
 
 
 def block_param_shapes(C: int, bias: bool = True, *, n_head: int = 1, n_kv_head: int | None = None,
-                       norm: str = "layernorm", mlp: str = "gelu",
-                       hidden: int | None = None) -> dict[str, tuple[int, ...]]:  # fmt: skip
+                       norm: str = "layernorm", mlp: str = "gelu", hidden: int | None = None,
+                       n_expert: int | None = None) -> dict[str, tuple[int, ...]]:  # fmt: skip
     """Every block parameter's name and shape for width C, in the package's (in, out) layout.
 
     The defaults give GPT-2's block (12 parameters; without ``bias`` the six biases are left out,
     nanoGPT's ``bias=False``). ``n_kv_head`` picks LLaMA's attention, whose k_proj and v_proj
-    have n_kv_head * (C // n_head) columns; ``hidden`` is the MLP's width (None: 4C)."""
-    H = 4 * C if hidden is None else hidden
+    have n_kv_head * (C // n_head) columns; ``hidden`` is the MLP's width (None: 4C), and
+    ``n_expert`` E the number of experts of mlp="moe", whose weights are stacked (E, in, out)."""
+    H, E = 4 * C if hidden is None else hidden, n_expert
     if n_kv_head is None:
         attn_names, attn_shapes = GPT2_ATTN_NAMES, [(C, 3 * C), (3 * C,), (C, C), (C,)]
     else:
         kv = n_kv_head * (C // n_head)
         attn_names, attn_shapes = GROUPED_ATTN_NAMES, [(C, C), (C, kv), (C, kv), (C, C)]
-    mlp_shapes = {"gelu": [(C, H), (H,), (H, C), (C,)], "swiglu": [(C, H), (C, H), (H, C)]}[mlp]
+    mlp_shapes = {"gelu": [(C, H), (H,), (H, C), (C,)], "swiglu": [(C, H), (C, H), (H, C)],
+                  "moe": [(C, E), (E, C, H), (E, H), (E, H, C), (E, C)]}[mlp]
     norm_shapes = [(C,), (C,)]  # the gain, and LayerNorm's bias
     parts = [("ln_1", NORM_NAMES[norm], norm_shapes), ("attn", attn_names, attn_shapes),
              ("ln_2", NORM_NAMES[norm], norm_shapes), ("mlp", MLP_NAMES[mlp], mlp_shapes)]
@@ -88,7 +97,7 @@ def part_backward(dy, part):
 
 
 def block_norm(x, p, name: str, opts: dict):
-    """The norm ``name`` (ln_1, ln_2; or ln_f with the model's params): opts["norm"], opts["eps"]."""
+    """The norm ``name`` (ln_1, ln_2, or ln_f with the model's params): opts["norm"], "eps"."""
     if opts["norm"] == "rmsnorm":
         return _run(rmsnorm_forward, rmsnorm_backward, name, NORM_NAMES["rmsnorm"], x, p,
                     eps=opts["eps"])  # fmt: skip
@@ -109,11 +118,26 @@ def block_attention(x, p, opts: dict):
 
 
 def block_mlp(x, p, opts: dict):
-    """The MLP of kind opts["mlp"]: GPT-2's GELU MLP (opts["gelu"]) or LLaMA's SwiGLU."""
+    """The MLP of kind opts["mlp"]: GPT-2's GELU MLP (opts["gelu"]), LLaMA's SwiGLU, or a
+    mixture of GELU experts with moe_forward's keywords opts["moe"], whose y is a pair (y, aux)."""
     if opts["mlp"] == "swiglu":
         return _run(swiglu_forward, swiglu_backward, "mlp", MLP_NAMES["swiglu"], x, p)
+    if opts["mlp"] == "moe":
+        return _run(moe_forward, moe_backward, "mlp", MLP_NAMES["moe"], x, p,
+                    approximate=opts["gelu"], **(opts["moe"] or {}))  # fmt: skip
     return _run(mlp_forward, mlp_backward, "mlp", MLP_NAMES["gelu"], x, p,
                 approximate=opts["gelu"])  # fmt: skip
+
+
+def _mlp(x, p, opts: dict):
+    """block_mlp with a MoE's pair taken apart: (y, aux (a MoE's) or None, part)."""
+    y, part = block_mlp(x, p, opts)
+    return (*y, part) if opts["mlp"] == "moe" else (y, None, part)
+
+
+def _with_aux(dm, daux):
+    """What the MLP's backward takes: dm, or a MoE's pair (dm, daux)."""
+    return dm if daux is None else (dm, daux)
 
 
 def _drop(x, opts, offset):
@@ -139,7 +163,7 @@ def _check_options(p: dict, opts: dict) -> None:
                          "after their projections): give n_kv_head too")  # fmt: skip
     expected = block_param_shapes(1, bias=any(name.endswith(".bias") for name in p),
                                   n_kv_head=None if opts["n_kv_head"] is None else 1,
-                                  norm=opts["norm"], mlp=opts["mlp"])  # fmt: skip
+                                  norm=opts["norm"], mlp=opts["mlp"], n_expert=1)  # fmt: skip
     missing = [name for name in expected if name not in p]
     if missing:
         raise ValueError(f"block parameters missing: {missing}")
@@ -148,38 +172,41 @@ def _check_options(p: dict, opts: dict) -> None:
 def block_forward(x, p, *, n_head: int, ln_order: str = "pre", gelu: str = "tanh",
                   eps: float = 1e-5, dropout: float = 0.0, seed: int | None = None,
                   norm: str = "layernorm", mlp: str = "gelu", n_kv_head: int | None = None,
-                  rope_base: float | None = None):  # fmt: skip
-    """x (B, T, C), p dict of the block's parameters (``block_param_shapes``) -> y (B, T, C)."""
+                  rope_base: float | None = None, moe: dict | None = None):  # fmt: skip
+    """x (B, T, C), p dict of the block's parameters (``block_param_shapes``) -> y (B, T, C),
+    or (y, aux) with mlp="moe" (``moe``: the keywords k, capacity_factor, aux_weight of
+    moe_forward)."""
     opts = dict(n_head=n_head, ln_order=ln_order, gelu=gelu, eps=eps, dropout=dropout, seed=seed,
-                norm=norm, mlp=mlp, n_kv_head=n_kv_head, rope_base=rope_base)
+                norm=norm, mlp=mlp, n_kv_head=n_kv_head, rope_base=rope_base, moe=moe)
     _check_options(p, opts)
-    c = {}
+    c = {"moe": mlp == "moe"}
     if ln_order == "pre":
         h1, c["ln_1"] = block_norm(x, p, "ln_1", opts)  # (B, T, C)
         a, c["attn"] = block_attention(h1, p, opts)  # (B, T, C)
         a, c["drop_1"] = _drop(a, opts, 0)  # (B, T, C)
         x1 = x + a  # (B, T, C)
         h2, c["ln_2"] = block_norm(x1, p, "ln_2", opts)  # (B, T, C)
-        m, c["mlp"] = block_mlp(h2, p, opts)  # (B, T, C)
+        m, aux, c["mlp"] = _mlp(h2, p, opts)  # (B, T, C), aux () a MoE's load-balancing loss
         m, c["drop_2"] = _drop(m, opts, 1)  # (B, T, C)
         y = x1 + m  # (B, T, C)
     else:
         a, c["attn"] = block_attention(x, p, opts)  # (B, T, C)
         a, c["drop_1"] = _drop(a, opts, 0)  # (B, T, C)
         x1, c["ln_1"] = block_norm(x + a, p, "ln_1", opts)  # (B, T, C)
-        m, c["mlp"] = block_mlp(x1, p, opts)  # (B, T, C)
+        m, aux, c["mlp"] = _mlp(x1, p, opts)  # (B, T, C), aux () a MoE's load-balancing loss
         m, c["drop_2"] = _drop(m, opts, 1)  # (B, T, C)
         y, c["ln_2"] = block_norm(x1 + m, p, "ln_2", opts)  # (B, T, C)
-    return y, (ln_order, c)
+    return ((y, aux) if c["moe"] else y), (ln_order, c)
 
 
-def block_backward(dy, cache):
-    """dy (B, T, C) -> (dx (B, T, C), dp dict with the same keys as p)."""
+def block_backward(dout, cache):
+    """dout: dy (B, T, C), or (dy, daux) for a MoE block -> (dx (B, T, C), dp with p's keys)."""
     ln_order, c = cache
+    dy, daux = dout if c["moe"] else (dout, None)
     if ln_order == "pre":
         # y = x1 + m: the residual passes dy to x1 unchanged, and dy goes into the branch
         dm = _drop_back(dy, c["drop_2"])  # (B, T, C)
-        dh2, dmlp = part_backward(dm, c["mlp"])  # (B, T, C)
+        dh2, dmlp = part_backward(_with_aux(dm, daux), c["mlp"])  # (B, T, C)
         # h2 = LN2(x1)
         dx1_ln, dln2 = part_backward(dh2, c["ln_2"])  # (B, T, C)
         dx1 = dy + dx1_ln  # (B, T, C)
@@ -193,7 +220,7 @@ def block_backward(dy, cache):
         # y = LN2(x1 + m)
         dsum2, dln2 = part_backward(dy, c["ln_2"])  # (B, T, C)
         dm = _drop_back(dsum2, c["drop_2"])  # (B, T, C)
-        dx1_mlp, dmlp = part_backward(dm, c["mlp"])  # (B, T, C)
+        dx1_mlp, dmlp = part_backward(_with_aux(dm, daux), c["mlp"])  # (B, T, C)
         dx1 = dsum2 + dx1_mlp  # (B, T, C)
         # x1 = LN1(x + a)
         dsum1, dln1 = part_backward(dx1, c["ln_1"])  # (B, T, C)

@@ -9,7 +9,9 @@ The LLaMA-style parts are written the same way: RMSNorm is ``F.rms_norm``, SwiGL
 ``F.silu(x @ w_gate) * (x @ w_up)``, grouped-query attention repeats each key/value head for its
 query heads (``repeat_interleave``, as Hugging Face's ``repeat_kv``), and rotary embeddings
 multiply complex numbers: the pair (x[i], x[i + hs/2]) is x[i] + i x[i + hs/2], turned by
-exp(i t theta_i) (``rotary``), where the package rotates real pairs.
+exp(i t theta_i) (``rotary``), where the package rotates real pairs. A mixture of experts runs
+every expert on every token and weighs the outputs by gates that are zero where a token did not
+choose the expert or found it full (``_experts``), where the package gathers each expert's tokens.
 """
 
 from __future__ import annotations
@@ -86,11 +88,35 @@ def _grouped_attention(x, p: dict, prefix: str, cfg: GPTConfig):
     return _causal(q, k, v) @ p[prefix + "o_proj.weight"]  # (B, T, C)
 
 
+def _experts(x, p: dict, prefix: str, cfg: GPTConfig):
+    """A mixture of GELU experts, x (B, T, C) -> (y (B, T, C), load-balancing loss ())."""
+    B, T, C = x.shape
+    xs = x.reshape(B * T, C)  # (N, C), tokens in order
+    N, E, k = B * T, cfg.n_expert, cfg.expert_top_k
+    logits = xs @ p[prefix + "router.weight"]  # (N, E)
+    probs = logits.softmax(dim=-1)  # (N, E)
+    chosen = F.one_hot(logits.topk(k, dim=-1).indices, E).sum(dim=1).bool()  # (N, E)
+    gates = torch.where(chosen, probs, 0.0)  # (N, E)
+    gates = gates / gates.sum(dim=-1, keepdim=True)  # (N, E) renormalized over the k chosen
+    if cfg.capacity_factor is not None:  # an expert takes the first tokens that chose it
+        capacity = math.ceil(cfg.capacity_factor * N * k / E)
+        gates = torch.where(chosen.long().cumsum(dim=0) <= capacity, gates, 0.0)  # (N, E)
+    y = torch.zeros_like(xs)  # (N, C)
+    for e in range(E):
+        w_fc, b_fc = p[prefix + "experts.c_fc.weight"][e], p[prefix + "experts.c_fc.bias"][e]
+        w_proj, b_proj = p[prefix + "experts.c_proj.weight"][e], p[prefix + "experts.c_proj.bias"][e]
+        h = F.gelu(xs @ w_fc + b_fc, approximate=cfg.gelu_approximate) @ w_proj + b_proj  # (N, C)
+        y = y + gates[:, e : e + 1] * h  # (N, C)
+    share = chosen.sum(dim=0).to(probs.dtype) / (N * k)  # (E,) of the choices, before capacity
+    aux = cfg.aux_loss_weight * E * (share * probs.mean(dim=0)).sum()  # ()
+    return y.reshape(B, T, C), aux
+
+
 def _mlp(x, p: dict, prefix: str, cfg: GPTConfig):
     """GPT-2's GELU MLP or LLaMA's SwiGLU, x (B, T, C) -> (B, T, C)."""
     if cfg.mlp == "swiglu":
-        h = F.silu(x @ p[prefix + "gate_proj.weight"]) * (x @ p[prefix + "up_proj.weight"])  # (B,T,H)
-        return h @ p[prefix + "down_proj.weight"]  # (B, T, C)
+        gate = F.silu(x @ p[prefix + "gate_proj.weight"])  # (B, T, H)
+        return (gate * (x @ p[prefix + "up_proj.weight"])) @ p[prefix + "down_proj.weight"]
     h = F.gelu(_affine(x, p, prefix + "c_fc."), approximate=cfg.gelu_approximate)  # (B, T, H)
     return _affine(h, p, prefix + "c_proj.")  # (B, T, C)
 
@@ -120,19 +146,29 @@ def reference_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, traini
         x = x + params["wpe.weight"][:T]  # (B, T, C)
     elif cfg.position == "sinusoidal":
         x = x + sinusoidal_table(T, C, dtype=wte.dtype, device=wte.device)  # (B, T, C)
+    aux_losses = []
+
+    def mlp(x, prefix):
+        if cfg.mlp != "moe":
+            return _mlp(x, params, prefix, cfg)
+        y, aux = _experts(x, params, prefix, cfg)
+        aux_losses.append(aux)
+        return y
+
     for layer in range(cfg.n_layer):
         h = f"h.{layer}."
         if cfg.ln_order == "pre":
             x = x + attention(ln(x, h + "ln_1"), h + "attn.")  # (B, T, C)
-            x = x + _mlp(ln(x, h + "ln_2"), params, h + "mlp.", cfg)  # (B, T, C)
+            x = x + mlp(ln(x, h + "ln_2"), h + "mlp.")  # (B, T, C)
         else:
             x = ln(x + attention(x, h + "attn."), h + "ln_1")  # (B, T, C)
-            x = ln(x + _mlp(x, params, h + "mlp.", cfg), h + "ln_2")  # (B, T, C)
+            x = ln(x + mlp(x, h + "mlp."), h + "ln_2")  # (B, T, C)
     head = wte.T if cfg.tie_embeddings else params["lm_head.weight"]  # (C, V)
     logits = ln(x, "ln_f") @ head  # (B, T, V)
     loss = None
     if targets is not None:
         loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))  # ()
+        loss = loss + sum(aux_losses)  # () the experts' load-balancing losses, if any
     return logits, loss
 
 
