@@ -33,10 +33,15 @@ from gptlab.reference.torch_gpt import relative_error
 TINY = dict(n_layer=2, n_head=2, n_embd=16, vocab_size=50, block_size=8)
 
 
-def hf_model(cfg, dtype=torch.float64, seed=0):
-    """A GPT2LMHeadModel for ``cfg`` with N(0, 0.2) noise on every weight, in eval mode."""
+def hf_model(cfg, dtype=torch.float64, seed=0, llama=False):
+    """A GPT2LMHeadModel (or LlamaForCausalLM) for ``cfg`` with N(0, 0.2) noise on every weight,
+    in eval mode."""
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(**to_hf_config(cfg))).to(dtype).eval()
+    if llama:
+        model = LlamaForCausalLM(LlamaConfig(**to_hf_llama_config(cfg)))
+    else:
+        model = GPT2LMHeadModel(GPT2Config(**to_hf_config(cfg)))
+    model = model.to(dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -66,14 +71,12 @@ def hf_loss_and_grads(model, seq):
     return logits, loss, {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch"])
-@pytest.mark.parametrize("gelu", ["tanh", "none"])
-def test_logits_loss_and_every_grad_match_hf_float64(gelu, backend):
-    cfg = GPTConfig(**TINY, gelu=gelu)
-    model = hf_model(cfg)
+def assert_matches_hf(model, cfg, read, backend):
+    """Logits, loss and every gradient of gptlab on ``backend`` equal the HF model's, with
+    ``read`` (from_hf or from_hf_llama) renaming HF's parameters and gradients."""
     seq = sequence(cfg)
     hf_logits, hf_loss, hf_grads = hf_loss_and_grads(model, seq)
-    params = from_hf(model.state_dict())
+    params = read(model.state_dict(), cfg)
     assert list(params) == list(param_shapes(cfg))
     if backend == "numpy":
         params = {name: value.numpy() for name, value in params.items()}
@@ -82,10 +85,17 @@ def test_logits_loss_and_every_grad_match_hf_float64(gelu, backend):
     grads = gpt_backward(cache)
     assert relative_error(logits, hf_logits) < 1e-10
     assert relative_error(loss, hf_loss) < 1e-10
-    want = from_hf(hf_grads)  # HF's gradient dict, renamed (the tied head appears once)
+    want = read(hf_grads, cfg)  # HF's gradient dict, renamed (the tied head appears once)
     assert list(want) == list(grads)
     for name in grads:
         assert relative_error(grads[name], want[name]) < 1e-10, name
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("gelu", ["tanh", "none"])
+def test_logits_loss_and_every_grad_match_hf_float64(gelu, backend):
+    cfg = GPTConfig(**TINY, gelu=gelu)
+    assert_matches_hf(hf_model(cfg), cfg, lambda state, _: from_hf(state), backend)
 
 
 def test_hf_labels_loss_agrees_to_float32_precision():
@@ -109,27 +119,6 @@ def test_float32_logits_match_hf():
     logits, _, _ = gpt_forward(from_hf(model.state_dict()), seq, cfg)
     assert logits.dtype == torch.float32
     assert relative_error(logits, hf_logits) < 1e-5
-
-
-def test_adamw_steps_with_manual_backward_track_hf():
-    cfg = GPTConfig(**TINY)
-    model = hf_model(cfg)
-    ours = ag.GPT.from_params(from_hf(model.state_dict()), cfg)
-    seq = sequence(cfg)
-    opt_hf = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
-    for _ in range(3):
-        for opt in (opt_hf, opt_ours):
-            opt.zero_grad()
-        hf_loss(model, seq)[1].backward()
-        ours(seq[:, :-1], seq[:, 1:])[1].backward()
-        opt_hf.step()
-        opt_ours.step()
-    want = from_hf(model.state_dict())
-    start = from_hf(hf_model(cfg).state_dict())
-    for name, value in ours.params.items():
-        assert not torch.equal(value, start[name]), f"{name} did not move"
-        assert relative_error(value, want[name]) < 1e-10, name
 
 
 def from_pretrained_logits(directory, seq):
@@ -178,22 +167,6 @@ def test_a_model_without_biases_exports_with_zero_biases(tmp_path):
     biases = [name for name in loaded if name.endswith(".bias")]
     assert len(biases) == 6 * cfg.n_layer + 1 and not any(loaded[name].any() for name in biases)
     assert all(np.array_equal(loaded[name], params[name]) for name in params)
-
-
-def test_hf_save_pretrained_reads_back_identically(tmp_path):
-    cfg = GPTConfig(**TINY, gelu="none")
-    model = hf_model(cfg)
-    model.save_pretrained(tmp_path)
-    params, loaded_cfg = from_hf_directory(tmp_path)
-    assert loaded_cfg == cfg
-    want = from_hf(model.state_dict())
-    assert all(np.array_equal(params[name], want[name].numpy()) for name in want)
-    reloaded = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
-    to_hf(params, cfg, tmp_path / "again")
-    again = GPT2LMHeadModel.from_pretrained(tmp_path / "again").eval()
-    seq = sequence(cfg)
-    with torch.no_grad():
-        assert torch.equal(again(input_ids=seq).logits, reloaded(input_ids=seq).logits)
 
 
 def test_from_hf_accepts_gpt2model_names_and_drops_buffers():
@@ -307,35 +280,15 @@ def float64_llama(monkeypatch):
 
 
 def hf_llama(cfg, dtype=torch.float64, seed=0):
-    """A LlamaForCausalLM for ``cfg`` with N(0, 0.2) noise on every weight, in eval mode."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**to_hf_llama_config(cfg))).to(dtype).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return model
+    return hf_model(cfg, dtype, seed, llama=True)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("name", LLAMAS)
 def test_llama_logits_loss_and_every_grad_match_hf_float64(float64_llama, name, backend):
+    """HF's gradients come back renamed and transposed into our layout, by from_hf_llama."""
     cfg = LLAMAS[name]
-    model = hf_llama(cfg)
-    seq = sequence(cfg)
-    hf_logits, hf_loss_value, hf_grads = hf_loss_and_grads(model, seq)
-    params = from_hf_llama(model.state_dict(), cfg)
-    assert list(params) == list(param_shapes(cfg))
-    if backend == "numpy":
-        params = {name: value.numpy() for name, value in params.items()}
-        seq = seq.numpy()
-    logits, loss, cache = gpt_forward(params, seq[:, :-1], cfg, seq[:, 1:])
-    grads = gpt_backward(cache)
-    assert relative_error(logits, hf_logits) < 1e-10
-    assert relative_error(loss, hf_loss_value) < 1e-10
-    want = from_hf_llama(hf_grads, cfg)  # HF's gradients, renamed and transposed
-    assert list(want) == list(grads)
-    for name_ in grads:
-        assert relative_error(grads[name_], want[name_]) < 1e-10, name_
+    assert_matches_hf(hf_llama(cfg), cfg, from_hf_llama, backend)
 
 
 def test_llama_float32_logits_match_hf_as_it_is():
@@ -350,10 +303,14 @@ def test_llama_float32_logits_match_hf_as_it_is():
     assert relative_error(logits, hf_logits) < 1e-5
 
 
-def test_llama_adamw_steps_with_manual_backward_track_hf(float64_llama):
-    cfg = LLAMAS["gqa"]
-    model = hf_llama(cfg)
-    ours = ag.GPT.from_params(from_hf_llama(model.state_dict(), cfg), cfg)
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_adamw_steps_with_manual_backward_track_hf(float64_llama, arch):
+    if arch == "gpt2":
+        cfg, make, read = GPTConfig(**TINY), hf_model, lambda state, _: from_hf(state)
+    else:
+        cfg, make, read = LLAMAS["gqa"], hf_llama, from_hf_llama
+    model = make(cfg)
+    ours = ag.GPT.from_params(read(model.state_dict(), cfg), cfg)
     seq = sequence(cfg)
     opt_hf = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
@@ -364,8 +321,10 @@ def test_llama_adamw_steps_with_manual_backward_track_hf(float64_llama):
         ours(seq[:, :-1], seq[:, 1:])[1].backward()
         opt_hf.step()
         opt_ours.step()
-    want = from_hf_llama(model.state_dict(), cfg)
+    want = read(model.state_dict(), cfg)
+    start = read(make(cfg).state_dict(), cfg)
     for name, value in ours.params.items():
+        assert not torch.equal(value, start[name]), f"{name} did not move"
         assert relative_error(value, want[name]) < 1e-10, name
 
 
@@ -395,19 +354,28 @@ def test_to_hf_llama_round_trip_through_from_pretrained(float64_llama, name, tmp
                for n in params)  # fmt: skip
 
 
-def test_llama_save_pretrained_reads_back_identically(tmp_path):
-    cfg = LLAMAS["mqa-tied"]
-    model = hf_llama(cfg)
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_save_pretrained_reads_back_identically(tmp_path, arch):
+    """Hugging Face's own save_pretrained, read by from_hf_directory (either model type) and
+    written again by to_hf or to_hf_llama: the same logits, bit for bit."""
+    if arch == "gpt2":
+        cfg, model_class, write = GPTConfig(**TINY, gelu="none"), GPT2LMHeadModel, to_hf
+        model = hf_model(cfg)
+        want = from_hf(model.state_dict())
+    else:
+        cfg, model_class, write = LLAMAS["mqa-tied"], LlamaForCausalLM, to_hf_llama
+        model = hf_llama(cfg)
+        want = from_hf_llama(model.state_dict(), cfg)
     model.save_pretrained(tmp_path)
     params, loaded_cfg = from_hf_directory(tmp_path)
     assert loaded_cfg == cfg
-    want = from_hf_llama(model.state_dict(), cfg)
     assert all(np.array_equal(params[name], want[name].numpy()) for name in want)
-    to_hf_llama(params, cfg, tmp_path / "again")
-    again = LlamaForCausalLM.from_pretrained(tmp_path / "again").eval()
+    reloaded = model_class.from_pretrained(tmp_path).eval()
+    write(params, cfg, tmp_path / "again")
+    again = model_class.from_pretrained(tmp_path / "again").eval()
     seq = sequence(cfg)
     with torch.no_grad():
-        assert torch.equal(again(input_ids=seq).logits, model(input_ids=seq).logits)
+        assert torch.equal(again(input_ids=seq).logits, reloaded(input_ids=seq).logits)
 
 
 def test_from_hf_llama_names_heads_and_errors():
