@@ -47,17 +47,23 @@ from .backend import array_namespace, asarray_like
 DecayFilter = Callable[[str, object], bool]
 
 
+def _is_matrix(name: str, x) -> bool:
+    """A weight matrix, or a stack of them (the experts' (E, C, H)); never a bias or a gain,
+    even when biases are stacked per expert into 2-D arrays."""
+    return name.endswith(".weight") and len(x.shape) >= 2
+
+
 def matrices_only(name: str, x) -> bool:
-    """Decay every 2-D weight except the position table (biases and LayerNorm gains never).
+    """Decay every weight matrix except the position table (biases and norm gains never).
 
     minGPT decayed neither embedding table; today's nanoGPT decays every tensor with two or more
     dimensions, wpe included: that is ``matrices_and_positions``."""
-    return len(x.shape) == 2 and name != "wpe.weight"
+    return _is_matrix(name, x) and name != "wpe.weight"
 
 
 def matrices_and_positions(name: str, x) -> bool:
-    """Decay every 2-D weight, the learned position table included."""
-    return len(x.shape) == 2
+    """Decay every weight matrix, the learned position table included."""
+    return _is_matrix(name, x)
 
 
 # ------------------------------------------------------------------------------------------------

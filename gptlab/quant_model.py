@@ -94,10 +94,11 @@ def quantize_params(params: dict, *, bits: int, scheme: str = "symmetric",
 
 def block_matrix_inputs(block_cache) -> dict:
     """The input (B, T, in) of each of a block's four matrix products, read from the cache of
-    ``block_forward`` (attention and MLP caches hold each linear layer's (x, w, has_bias))."""
+    ``block_forward`` of a GPT-2 block: each part's cache ends with its layer's own cache, and the
+    attention and MLP caches hold each linear layer's (x, w, has_bias)."""
     _, c = block_cache
-    (attn_in, *_), _, (attn_proj_in, *_) = c["attn"]
-    (fc_in, *_), _, (mlp_proj_in, *_) = c["mlp"]
+    (attn_in, *_), _, (attn_proj_in, *_) = c["attn"][-1]
+    (fc_in, *_), _, (mlp_proj_in, *_) = c["mlp"][-1]
     return dict(zip(BLOCK_MATRICES, (attn_in, attn_proj_in, fc_in, mlp_proj_in)))
 
 
@@ -112,6 +113,10 @@ def gptq_quantize_params(params: dict, cfg, calib_idx, *, bits: int = 4,
     calibration X. Embeddings, with ``embeddings=True``, get round to nearest: wte is looked up
     as well as multiplied, so no single input X stands for it.
     """
+    if cfg.mlp != "gelu" or cfg.n_kv_head is not None or cfg.position == "rope":
+        raise ValueError("gptq_quantize_params takes GPT-2 blocks (fused c_attn, GELU MLP); "
+                         f"this config has mlp={cfg.mlp!r}, n_kv_head={cfg.n_kv_head!r}, "
+                         f"position={cfg.position!r}")
     out = dict(params)
     quantized = {}
     for layer in range(cfg.n_layer):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import get_backend
 
-from gptlab import GPTConfig, loss_and_grads, param_shapes
+from gptlab import GPTConfig, init_params, loss_and_grads, param_shapes
 from gptlab.backend import convert, to_numpy
 from gptlab.autograd import GPT
 from gptlab.optim import (
@@ -408,3 +408,16 @@ def test_eps_zero_is_allowed_as_in_torch():
     w.grad = torch.tensor([2.0, -1.0], dtype=torch.float64)
     TorchAdamW([w], lr=0.1, eps=0.0, weight_decay=0.0).step()
     assert torch.equal(w.detach(), torch.as_tensor(new["w"]))
+
+
+def test_decay_filters_take_matrices_and_expert_stacks_never_biases_or_gains():
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=4, mlp="moe",
+                    n_expert=3)
+    params = init_params(cfg, seed=0)
+    decayed = {name for name, x in params.items() if matrices_only(name, x)}
+    assert "h.0.mlp.experts.c_fc.weight" in decayed and "h.0.mlp.router.weight" in decayed
+    assert "h.0.mlp.experts.c_fc.bias" not in decayed  # (E, H): 2-D, but a bias
+    assert "wpe.weight" not in decayed and "wte.weight" in decayed
+    assert not any(name.endswith(".bias") or ".ln_" in name for name in decayed)
+    everything = {name for name, x in params.items() if matrices_and_positions(name, x)}
+    assert everything == decayed | {"wpe.weight"}

@@ -544,7 +544,7 @@ def test_block_matrix_inputs_are_what_each_matrix_multiplies():
     _, _, cache = gpt_forward(params, idx, CFG)
     inputs = block_matrix_inputs(cache["blocks"][1])
     p = {name.removeprefix("h.1."): v for name, v in params.items() if name.startswith("h.1.")}
-    h1 = to_host(cache["blocks"][1][1]["ln_1"][0]) * p["ln_1.weight"] + p["ln_1.bias"]  # LN1(x)
+    h1 = to_host(cache["blocks"][1][1]["ln_1"][-1][0]) * p["ln_1.weight"] + p["ln_1.bias"]  # LN1(x)
     np.testing.assert_allclose(inputs["attn.c_attn.weight"], h1, rtol=1e-6, atol=1e-6)
     fc_out, _ = linear_forward(inputs["mlp.c_fc.weight"], p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])
     np.testing.assert_allclose(inputs["mlp.c_proj.weight"], gelu_forward(fc_out)[0], rtol=1e-6, atol=1e-6)
