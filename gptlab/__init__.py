@@ -5,7 +5,8 @@ The names most readers need are here; each lives in its own module:
 - the model (``gptlab.model``): ``GPTConfig``, ``init_params``, ``gpt_forward``, ``gpt_backward``;
 - gradient checking (``gptlab.gradcheck``): ``check_layer``, ``check_model``;
 - generation (``gptlab.sample``): ``generate``;
-- Hugging Face GPT-2 interop (``gptlab.interop``): ``from_hf``, ``to_hf``;
+- Hugging Face interop (``gptlab.interop``): ``from_hf``, ``to_hf`` (GPT-2) and
+  ``from_hf_llama``, ``to_hf_llama`` (LLaMA-style configs);
 - the package's own code, for the chapters (``gptlab.source``): ``show_source``.
 
 The layers are in ``gptlab.layers``, torch integration in ``gptlab.autograd``, training in
@@ -14,7 +15,7 @@ The layers are in ``gptlab.layers``, torch integration in ``gptlab.autograd``, t
 
 from .config import GPTConfig
 from .gradcheck import check_layer, check_model
-from .interop import from_hf, to_hf
+from .interop import from_hf, from_hf_llama, to_hf, to_hf_llama
 from .model import (
     count_params,
     gpt_backward,
@@ -34,6 +35,7 @@ __all__ = [
     "check_model",
     "count_params",
     "from_hf",
+    "from_hf_llama",
     "generate",
     "gpt_backward",
     "gpt_forward",
@@ -42,4 +44,5 @@ __all__ = [
     "param_shapes",
     "show_source",
     "to_hf",
+    "to_hf_llama",
 ]
