@@ -25,7 +25,7 @@ book: $(STAMP)
 
 # nbval re-executes every chapter and compares each output with the stored one (docs/CHAPTERS.md).
 NBVAL := $(VENV)/bin/python -m pytest -n 2 --dist loadfile --nbval --nbval-current-env \
-	--nbval-sanitize-with book/sanitize.cfg
+	--nbval-sanitize-with book/sanitize.cfg --nbval-cell-timeout=600 --nbval-kernel-startup-timeout=120
 # The chapters that leave torch's thread count alone; the others call torch.set_num_threads(1).
 UNPINNED := $(shell grep -L 'set_num_threads' book/[0-9]*.ipynb)
 

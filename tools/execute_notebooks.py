@@ -36,7 +36,7 @@ def execute(path: Path) -> float:
     """Run ``path`` in place; returns the seconds it took. Raises on an error or stderr output."""
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
-    NotebookClient(nb, timeout=900, kernel_name="python3",
+    NotebookClient(nb, timeout=600, startup_timeout=120, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent.resolve())}}).execute()
     seconds = time.perf_counter() - start
     for index, cell in enumerate(nb.cells):
