@@ -57,8 +57,10 @@ def _windows_loss(params: dict, cfg: GPTConfig, data: np.ndarray, starts: np.nda
     targets = data[starts[:, None] + offsets[None, :] + 1]  # (B, T)
     x = asarray_like(windows, wte, dtype=xp.int64)  # (B, T)
     y = asarray_like(targets, wte, dtype=xp.int64)  # (B, T)
-    _, loss, _ = gpt_forward(params, x, cfg, y)  # ()
-    return float(loss)
+    _, loss, cache = gpt_forward(params, x, cfg, y)  # ()
+    # the cross-entropy alone: a model with experts adds its load-balancing loss to the loss it
+    # trains on, not to the score it is measured by
+    return float(loss - cache["aux_loss"]) if "aux_loss" in cache else float(loss)
 
 
 def _checked_ids(data_ids, cfg: GPTConfig, block_size: int, batch_size: int) -> np.ndarray:

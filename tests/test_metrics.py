@@ -171,3 +171,17 @@ def test_reliability_diagram_draws_with_agg():
     assert ax.get_xlabel() == "confidence"
     ax.figure.savefig(io.BytesIO(), format="png")
     plt.close(ax.figure)
+
+
+def test_split_loss_of_a_model_with_experts_is_its_cross_entropy_alone():
+    from gptlab import gpt_forward, init_params
+    from gptlab.metrics import split_loss
+
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=4, mlp="moe",
+                    n_expert=3, aux_loss_weight=0.5)
+    params = init_params(cfg, seed=0, dtype="float64")
+    ids = np.random.default_rng(0).integers(0, 11, size=4 * 3 + 1)
+    x, y = ids[:-1].reshape(3, 4), ids[1:].reshape(3, 4)
+    _, loss, cache = gpt_forward(params, x, cfg, y)
+    assert cache["aux_loss"] > 0.1  # the term is there in training
+    assert split_loss(params, cfg, ids, block_size=4) == pytest.approx(float(loss - cache["aux_loss"]), rel=1e-12)
