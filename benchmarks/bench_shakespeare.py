@@ -34,7 +34,6 @@ the package itself never reads. Writes ``benchmarks/results/shakespeare.json`` a
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import statistics
@@ -46,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from machine import machine_info  # benchmarks/machine.py (the script's own folder)
+from machine import machine_info, report  # benchmarks/machine.py (the script's own folder)
 from nanogpt_reference import to_gptlab_params, train_nanogpt
 from gptlab.data import load_text, split_train_val
 from gptlab.metrics import evaluate_loss, split_loss
@@ -54,7 +53,6 @@ from gptlab.model import count_params
 from gptlab.train import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 PUBLISHED_VAL_LOSS = 1.88  # nanoGPT README, CPU recipe for shakespeare_char
 NANOGPT_EVAL_BATCHES = 20  # the README's --eval_iters=20
@@ -285,17 +283,7 @@ def main() -> None:
     parser.add_argument("--markdown-only", action="store_true",
                         help="rewrite the .md from the existing results .json, without training")
     args = parser.parse_args()
-    if args.markdown_only:
-        res = json.loads((RESULTS / "shakespeare.json").read_text())
-    else:
-        res = run(args)
-    text = markdown(res)
-    print(text)
-    if not args.no_write:
-        RESULTS.mkdir(exist_ok=True)
-        if not args.markdown_only:
-            (RESULTS / "shakespeare.json").write_text(json.dumps(res, indent=1) + "\n")
-        (RESULTS / "shakespeare.md").write_text(text)
+    report("shakespeare", args, run, markdown)
 
 
 if __name__ == "__main__":

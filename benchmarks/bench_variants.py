@@ -45,7 +45,6 @@ The default corpus is the embedded one (``gptlab.data``), so the script runs fro
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing
 import os
@@ -58,7 +57,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from machine import machine_info  # benchmarks/machine.py (the script's own folder)
+from machine import machine_info, report  # benchmarks/machine.py (the script's own folder)
 from gptlab.checkpoint import load_run_checkpoint
 from gptlab.data import get_batch, load_text, split_train_val
 from gptlab.metrics import perplexity, split_loss
@@ -69,7 +68,6 @@ from gptlab.tokenizer import CharTokenizer
 from gptlab.train import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "results"
 N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE, BATCH_SIZE = 4, 4, 64, 64, 12
 GPT2 = dict(norm="layernorm", mlp="gelu", position="learned", bias=True, tie_embeddings=True)
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False,
@@ -380,14 +378,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
-    res = json.loads((RESULTS / "variants.json").read_text()) if args.markdown_only else run(args)
-    text = markdown(res)
-    print(text)
-    if not args.no_write:
-        RESULTS.mkdir(exist_ok=True)
-        if not args.markdown_only:
-            (RESULTS / "variants.json").write_text(json.dumps(res, indent=1) + "\n")
-        (RESULTS / "variants.md").write_text(text)
+    report("variants", args, run, markdown)
 
 
 if __name__ == "__main__":

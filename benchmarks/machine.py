@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 from pathlib import Path
@@ -30,3 +31,19 @@ def machine_info(note: str, **versions: str) -> dict:
         **versions,
         "note": note,
     }
+
+
+def report(name: str, args, run, markdown) -> None:
+    """Run the benchmark (``run(args)`` -> results dict) or, with ``--markdown-only``, reload
+    results/<name>.json; print ``markdown(results)`` and, unless ``--no-write``, write
+    results/<name>.json and results/<name>.md."""
+    results_dir = Path(__file__).resolve().parent / "results"
+    json_path, md_path = results_dir / f"{name}.json", results_dir / f"{name}.md"
+    res = json.loads(json_path.read_text()) if args.markdown_only else run(args)
+    text = markdown(res)
+    print(text)
+    if not args.no_write:
+        results_dir.mkdir(exist_ok=True)
+        if not args.markdown_only:
+            json_path.write_text(json.dumps(res, indent=1) + "\n")
+        md_path.write_text(text)
