@@ -16,7 +16,9 @@ from dataclasses import Field, fields
 from .train import TrainConfig, TrainingDiverged, train
 
 TRAIN_GROUPS = {
-    "model": ("n_layer", "n_head", "n_embd", "block_size", "gelu", "bias", "dropout"),
+    "model": ("n_layer", "n_head", "n_embd", "block_size", "gelu", "bias", "dropout", "position",
+              "norm", "mlp", "mlp_hidden", "n_kv_head", "rope_base", "tie_embeddings",
+              "n_expert", "expert_top_k", "capacity_factor", "aux_loss_weight"),
     "data": ("data", "tokenizer", "vocab_size", "tokenizer_path", "val_fraction", "batch_size"),
     "optimisation": ("optimizer", "lr", "weight_decay", "betas", "eps", "momentum",
                      "decay_position_embeddings", "grad_clip"),

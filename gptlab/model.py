@@ -8,6 +8,12 @@
 Parameters are a flat dict with GPT-2's checkpoint names and (in, out) weight layout, so a
 Hugging Face GPT-2 state dict maps onto it by renaming alone (see ``gptlab.interop``).
 
+A LLaMA-style config (``GPTConfig.llama``) changes the parts, not the plan: no position is added
+(RoPE turns q and k inside every attention), the blocks and LN_f use RMSNorm, SwiGLU and
+grouped-query attention (``layers/block.py``), and the head is its own matrix,
+logits = RMSNorm_f(x_L) @ lm_head (C, V). With mixture-of-experts MLPs (mlp="moe") every block
+also returns its load-balancing loss aux_l, and loss = cross_entropy + sum_l aux_l.
+
 Book: chapter 4 (forward) and chapter 9 (backward).
 """
 
@@ -20,11 +26,16 @@ import numpy as np
 from .backend import array_namespace, convert
 from .checks import require_float, require_ids_in_range, require_int
 from .config import GPTConfig
-from .layers.block import BLOCK_PARAM_NAMES, block_backward, block_forward, block_param_shapes
+from .layers.block import (
+    block_backward,
+    block_forward,
+    block_norm,
+    block_param_shapes,
+    part_backward,
+)
 from .layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from .layers.dropout import dropout_backward, dropout_forward
 from .layers.embedding import embedding_backward, embedding_forward
-from .layers.layernorm import layernorm_backward, layernorm_forward
 from .layers.position_learned import position_learned_backward, position_learned_forward
 from .layers.position_sinusoidal import (
     position_sinusoidal_backward,
@@ -33,18 +44,42 @@ from .layers.position_sinusoidal import (
 
 
 def param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's GPT-2 name and shape, in checkpoint order."""
+    """Every parameter's name (GPT-2's, and LLaMA's part names) and shape, in checkpoint order."""
     C, V = cfg.n_embd, cfg.vocab_size
     shapes = {"wte.weight": (V, C)}
     if cfg.position == "learned":
         shapes["wpe.weight"] = (cfg.block_size, C)
-    block = block_param_shapes(C, bias=cfg.bias)
+    block = block_param_shapes(C, bias=cfg.bias, **_block_sizes(cfg))
     for layer in range(cfg.n_layer):
         shapes.update({f"h.{layer}.{name}": shape for name, shape in block.items()})
     shapes["ln_f.weight"] = (C,)
-    if cfg.bias:
+    if cfg.bias and cfg.norm == "layernorm":
         shapes["ln_f.bias"] = (C,)
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (C, V)
     return shapes
+
+
+def _block_sizes(cfg: GPTConfig) -> dict:
+    """The keywords of ``block_param_shapes`` besides C and bias."""
+    return dict(n_head=cfg.n_head, n_kv_head=cfg.kv_heads if cfg.grouped_attention else None,
+                norm=cfg.norm, mlp=cfg.mlp, hidden=cfg.mlp_hidden_size, n_expert=cfg.n_expert)
+
+
+def block_options(cfg: GPTConfig) -> dict:
+    """The keywords of ``block_forward`` (all but the dropout seed) for the blocks of ``cfg``."""
+    return dict(n_head=cfg.n_head, ln_order=cfg.ln_order, gelu=cfg.gelu_approximate,
+                eps=cfg.layer_norm_epsilon, dropout=cfg.dropout, norm=cfg.norm, mlp=cfg.mlp,
+                n_kv_head=cfg.kv_heads if cfg.grouped_attention else None,
+                rope_base=cfg.rope_base if cfg.position == "rope" else None,
+                moe=None if cfg.mlp != "moe" else dict(k=cfg.expert_top_k,
+                                                       capacity_factor=cfg.capacity_factor,
+                                                       aux_weight=cfg.aux_loss_weight))
+
+
+def head_weight(params: dict, cfg: GPTConfig):
+    """The output head (C, V): wte^T when tied (GPT-2), else lm_head.weight (LLaMA)."""
+    return params["wte.weight"].mT if cfg.tie_embeddings else params["lm_head.weight"]
 
 
 def count_params(cfg: GPTConfig) -> int:
@@ -52,13 +87,19 @@ def count_params(cfg: GPTConfig) -> int:
     return sum(math.prod(shape) for shape in param_shapes(cfg).values())
 
 
+RESIDUAL_PROJECTIONS = ("attn.c_proj.weight", "mlp.c_proj.weight", "attn.o_proj.weight",
+                        "mlp.down_proj.weight", "mlp.experts.c_proj.weight")  # write the residual
+
+
 def init_params(cfg: GPTConfig, seed: int = 0, backend: str = "numpy", dtype="float32",
                 device=None) -> dict:
     """A fresh flat dict of parameters, initialised as nanoGPT does after GPT-2.
 
     Weights and both embedding tables ~ N(0, 0.02) (OpenAI's GPT-2 release drew wpe with 0.01),
-    the two residual projections of every block scaled by 1/sqrt(2 n_layer) (GPT-2), biases 0,
-    LayerNorm gains 1. The numbers are drawn in float64 by
+    the two residual projections of every block (c_proj, LLaMA's o_proj and down_proj, the
+    experts' c_proj) scaled
+    by 1/sqrt(2 n_layer) (GPT-2), biases 0, LayerNorm and RMSNorm gains 1, an untied lm_head
+    ~ N(0, 0.02). The numbers are drawn in float64 by
     NumPy from ``seed`` and then converted, so every backend, dtype and device starts from the
     same model.
     """
@@ -71,7 +112,7 @@ def init_params(cfg: GPTConfig, seed: int = 0, backend: str = "numpy", dtype="fl
             value = np.zeros(shape)
         else:
             std = 0.02
-            if name.endswith("attn.c_proj.weight") or name.endswith("mlp.c_proj.weight"):
+            if name.endswith(RESIDUAL_PROJECTIONS):
                 std = 0.02 / math.sqrt(2 * cfg.n_layer)
             value = rng.normal(0.0, std, size=shape)
         params[name] = convert(value, backend, dtype=dtype, device=device)
@@ -81,7 +122,8 @@ def init_params(cfg: GPTConfig, seed: int = 0, backend: str = "numpy", dtype="fl
 def block_params(params: dict, layer: int) -> dict:
     """The parameters of block ``layer`` with the ``h.{layer}.`` prefix removed."""
     prefix = f"h.{layer}."
-    return {name: params[prefix + name] for name in BLOCK_PARAM_NAMES if prefix + name in params}
+    return {name.removeprefix(prefix): value for name, value in params.items()
+            if name.startswith(prefix)}
 
 
 def check_params(params: dict, cfg: GPTConfig) -> None:
@@ -116,9 +158,10 @@ def _check_idx(idx, cfg: GPTConfig, name: str = "idx") -> None:
 def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed: int | None = None):
     """idx (B, T) token ids -> (logits (B, T, V), loss or None, cache).
 
-    ``targets`` (B, T) gives the mean next-token cross-entropy. Dropout (``cfg.dropout``) is
-    applied only when ``dropout_seed`` is given: a training step passes a fresh seed, evaluation
-    passes none.
+    ``targets`` (B, T) gives the mean next-token cross-entropy, plus the blocks' load-balancing
+    losses in a model with experts (their sum is ``cache["aux_loss"]``). Dropout
+    (``cfg.dropout``) is applied only when ``dropout_seed`` is given: a training step passes a
+    fresh seed, evaluation passes none.
     """
     check_params(params, cfg)
     _check_idx(idx, cfg)
@@ -131,27 +174,31 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
     tok, cache["wte"] = embedding_forward(idx, params["wte.weight"])  # (B, T, C)
     if cfg.position == "learned":
         x, cache["wpe"] = position_learned_forward(tok, params["wpe.weight"])  # (B, T, C)
-    else:
+    elif cfg.position == "sinusoidal":
         x, cache["wpe"] = position_sinusoidal_forward(tok)  # (B, T, C)
+    else:
+        x = tok  # (B, T, C) rope: the positions turn q and k inside every attention
     if training:
         x, cache["drop"] = dropout_forward(x, p=cfg.dropout, seed=dropout_seed)  # (B, T, C)
-    cache["blocks"] = []
+    opts = block_options(cfg)
+    cache["blocks"], aux_losses = [], []
     for layer in range(cfg.n_layer):
         seed = None if not training else dropout_seed + 2 * (layer + 1)
-        x, block_cache = block_forward(
-            x, block_params(params, layer), n_head=cfg.n_head, ln_order=cfg.ln_order,
-            gelu=cfg.gelu_approximate, eps=cfg.layer_norm_epsilon, dropout=cfg.dropout, seed=seed,
-        )  # (B, T, C)
+        x, block_cache = block_forward(x, block_params(params, layer), **opts, seed=seed)  # (B,T,C)
+        if cfg.mlp == "moe":
+            x, aux = x  # a block of experts returns its load-balancing loss too
+            aux_losses.append(aux)
         cache["blocks"].append(block_cache)
-    xf, cache["ln_f"] = layernorm_forward(
-        x, params["ln_f.weight"], params.get("ln_f.bias"), eps=cfg.layer_norm_epsilon
-    )  # (B, T, C)
-    logits = xf @ params["wte.weight"].mT  # (B, T, V), the head tied to the token embedding
-    cache["xf"] = xf
-    cache["wte.weight"] = params["wte.weight"]
+    xf, cache["ln_f"] = block_norm(x, params, "ln_f", opts)  # (B, T, C)
+    head = head_weight(params, cfg)  # (C, V), GPT-2's is wte^T
+    logits = xf @ head  # (B, T, V)
+    cache["xf"], cache["head"], cache["wte.weight"] = xf, head, params["wte.weight"]
     loss = None
     if targets is not None:
         loss, cache["loss"] = cross_entropy_forward(logits, targets)  # ()
+        if aux_losses:
+            cache["aux_loss"] = sum(aux_losses)  # ()
+            loss = loss + cache["aux_loss"]  # ()
     return logits, loss, cache
 
 
@@ -159,9 +206,10 @@ def gpt_backward(cache, dlogits=None) -> dict:
     """Gradients of the loss (or of sum(logits * dlogits)) for every parameter, by name.
 
     Without ``dlogits`` the forward must have been given targets: the backward starts from
-    dloss = 1.
+    dloss = 1 (which reaches every block's load-balancing loss too, daux = 1).
     """
     cfg = cache["cfg"]
+    daux = 0.0 if dlogits is not None else 1.0  # loss = cross_entropy + sum of the blocks' aux
     if dlogits is None:
         if "loss" not in cache:
             raise ValueError("gpt_backward needs the forward to have computed a loss (pass "
@@ -169,27 +217,34 @@ def gpt_backward(cache, dlogits=None) -> dict:
         (dlogits,) = cross_entropy_backward(1.0, cache["loss"])  # (B, T, V)
     xp = array_namespace(dlogits)
     grads = {}
-    xf, wte = cache["xf"], cache["wte.weight"]
-    V, C = wte.shape
-    # logits = xf @ wte^T: the head's share of dwte
-    dxf = dlogits @ wte  # (B, T, C)
-    dwte_head = xp.reshape(dlogits, (-1, V)).mT @ xp.reshape(xf, (-1, C))  # (V, C)
-    # xf = LN_f(x)   (the bias gradient is None in a model without biases)
-    dx, grads["ln_f.weight"], grads["ln_f.bias"] = layernorm_backward(dxf, cache["ln_f"])
+    xf, head = cache["xf"], cache["head"]
+    C, V = head.shape
+    # logits = xf @ head
+    dxf = dlogits @ head.mT  # (B, T, C)
+    if cfg.tie_embeddings:  # head = wte^T: the head's share of dwte
+        dwte_head = xp.reshape(dlogits, (-1, V)).mT @ xp.reshape(xf, (-1, C))  # (V, C)
+    else:
+        grads["lm_head.weight"] = xp.reshape(xf, (-1, C)).mT @ xp.reshape(dlogits, (-1, V))  # (C,V)
+    # xf = LN_f(x)
+    dx, dln_f = part_backward(dxf, cache["ln_f"])  # (B, T, C)
+    grads.update(dln_f)
     for layer in reversed(range(cfg.n_layer)):
-        # x = block(x)
-        dx, dblock = block_backward(dx, cache["blocks"][layer])  # (B, T, C)
+        # x = block(x), or (x, aux) = block(x) with experts
+        dout = (dx, daux) if cfg.mlp == "moe" else dx
+        dx, dblock = block_backward(dout, cache["blocks"][layer])  # (B, T, C)
         grads.update({f"h.{layer}.{name}": g for name, g in dblock.items()})
     if cache["training"]:
         (dx,) = dropout_backward(dx, cache["drop"])  # (B, T, C)
     # x = tok + position
     if cfg.position == "learned":
         dtok, grads["wpe.weight"] = position_learned_backward(dx, cache["wpe"])  # (B, T, C)
-    else:
+    elif cfg.position == "sinusoidal":
         (dtok,) = position_sinusoidal_backward(dx, cache["wpe"])  # (B, T, C)
+    else:
+        dtok = dx  # (B, T, C) rope: x = tok
     # tok = wte[idx]: the embedding's share of dwte; a tied matrix sums the grads of both uses
     (dwte_embed,) = embedding_backward(dtok, cache["wte"])  # (V, C)
-    grads["wte.weight"] = dwte_embed + dwte_head  # (V, C)
+    grads["wte.weight"] = dwte_embed + dwte_head if cfg.tie_embeddings else dwte_embed  # (V, C)
     return {name: grads[name] for name in param_shapes(cfg)}
 
 
@@ -201,6 +256,6 @@ def loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, *, dropout_seed=N
 
 
 __all__ = [
-    "GPTConfig", "param_shapes", "count_params", "init_params", "block_params", "check_params",
-    "gpt_forward", "gpt_backward", "loss_and_grads",
+    "GPTConfig", "param_shapes", "count_params", "init_params", "block_params", "block_options",
+    "head_weight", "check_params", "gpt_forward", "gpt_backward", "loss_and_grads",
 ]  # fmt: skip

@@ -11,14 +11,21 @@ token from it:
 A causal model never lets position t look at positions > t, so the keys and values of the past
 do not change when a token is appended. The KV cache keeps them (per layer, (B, NH, T, hs)) and
 each step runs the model on the NEW positions only: O(T) work per token instead of O(T^2).
+With grouped-query attention it keeps the NKV key/value heads only, (B, NKV, T, hs), and with
+rotary embeddings the new queries and keys are turned as positions Tp, Tp + 1, ... (Tp = the
+cache length); the cached keys were turned when they were new. A mixture of experts generates
+without its capacity limit: which tokens an expert drops depends on how many tokens are routed
+together, which differs between cached and uncached decoding, so ``generate`` routes every token
+to its experts.
 
 Book: chapter 12, "Generation".
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -34,18 +41,20 @@ from .backend import (
 from .checks import require_ids_in_range, require_int
 from .config import GPTConfig
 from .layers.attention import merge_heads, split_qkv
-from .layers.layernorm import layernorm_forward
+from .layers.block import GROUPED_ATTN_NAMES, block_mlp, block_norm
+from .layers.gqa import gqa_attention_step
 from .layers.linear import linear_forward
-from .layers.mlp import mlp_forward
 from .layers.position_sinusoidal import sinusoidal_encoding
+from .layers.rope import rope_forward
 from .layers.sdpa import sdpa_forward
 from .layers.softmax import softmax_forward
-from .model import block_params, check_params, gpt_forward
+from .model import block_options, block_params, check_params, gpt_forward, head_weight
 
 
 @dataclass
 class KVCache:
-    """The keys and values of the positions decoded so far: k[l], v[l] (B, NH, T, hs) per layer.
+    """The keys and values of the positions decoded so far: k[l], v[l] (B, NKV, T, hs) per layer
+    (NKV = NH, the number of heads, unless the model has grouped-query attention).
 
     An empty cache (``KVCache()``) starts a sequence; ``forward_step`` returns a new, longer one.
     """
@@ -79,24 +88,34 @@ def _attention_step(x, p, k_past, v_past, *, n_head: int):
     return y, k, v
 
 
-def _block_step(x, p, k_past, v_past, cfg: GPTConfig):
-    """One block (pre- or post-LN, as ``block_forward``) on the new positions x (B, Tn, C)."""
+def _block_step(x, p, k_past, v_past, cfg: GPTConfig, Tp: int):
+    """One block (pre- or post-LN, with the parts of ``block_forward``) on the new positions
+    x (B, Tn, C), which follow Tp cached ones."""
+    opts = block_options(cfg)
 
     def ln(z, name):
-        return layernorm_forward(z, p[f"{name}.weight"], p.get(f"{name}.bias"),
-                                 eps=cfg.layer_norm_epsilon)[0]  # fmt: skip
+        return block_norm(z, p, name, opts)[0]
 
     def mlp(z):
-        return mlp_forward(z, p["mlp.c_fc.weight"], p.get("mlp.c_fc.bias"), p["mlp.c_proj.weight"],
-                           p.get("mlp.c_proj.bias"),
-                           approximate=cfg.gelu_approximate)[0]  # fmt: skip
+        y, _ = block_mlp(z, p, opts)
+        return y[0] if cfg.mlp == "moe" else y  # a mixture of experts returns (y, aux)
+
+    def attention(z):
+        if not cfg.grouped_attention:
+            return _attention_step(z, p, k_past, v_past, n_head=cfg.n_head)
+        rotate = None  # RoPE turns the new queries and keys as positions Tp, ..., Tp + Tn - 1
+        if cfg.position == "rope":
+            rotate = functools.partial(rope_forward, base=cfg.rope_base, start=Tp)
+        weights = (p[f"attn.{name}"] for name in GROUPED_ATTN_NAMES)  # wq, wk, wv, wo
+        return gqa_attention_step(z, *weights, k_past, v_past, n_head=cfg.n_head,
+                                  n_kv_head=cfg.kv_heads, rotate=rotate)  # fmt: skip
 
     if cfg.ln_order == "pre":
-        a, k, v = _attention_step(ln(x, "ln_1"), p, k_past, v_past, n_head=cfg.n_head)  # (B,Tn,C)
+        a, k, v = attention(ln(x, "ln_1"))  # (B, Tn, C), k and v (B, NKV, Tp + Tn, hs)
         x1 = x + a  # (B, Tn, C)
         y = x1 + mlp(ln(x1, "ln_2"))  # (B, Tn, C)
     else:
-        a, k, v = _attention_step(x, p, k_past, v_past, n_head=cfg.n_head)  # (B, Tn, C)
+        a, k, v = attention(x)  # (B, Tn, C)
         x1 = ln(x + a, "ln_1")  # (B, Tn, C)
         y = ln(x1 + mlp(x1), "ln_2")  # (B, Tn, C)
     return y, k, v
@@ -105,7 +124,7 @@ def _block_step(x, p, k_past, v_past, cfg: GPTConfig):
 def forward_step(params: dict, cfg: GPTConfig, new_ids, cache: KVCache):
     """new_ids (B, Tn) the next tokens after the cached ones -> (logits_last (B, V), new cache).
 
-    Runs embeddings, blocks, ln_f and the tied head on the new positions Tp .. Tp+Tn-1 only
+    Runs embeddings, blocks, ln_f and the head on the new positions Tp .. Tp+Tn-1 only
     (Tp = cache.length); the logits equal ``gpt_forward`` on the whole sequence at its last
     position. Evaluation mode (no dropout). The total length may not exceed ``cfg.block_size``.
     """
@@ -128,19 +147,19 @@ def _forward_step(params: dict, cfg: GPTConfig, new_ids, cache: KVCache):
     x = take_rows(wte, new_ids)  # (B, Tn, C)
     if cfg.position == "learned":
         x = x + params["wpe.weight"][Tp : Tp + Tn, :]  # (B, Tn, C)
-    else:
+    elif cfg.position == "sinusoidal":
         x = x + sinusoidal_encoding(Tp + Tn, cfg.n_embd, like=x)[Tp:, :]  # (B, Tn, C)
+    # rope: no addition; every attention turns q and k as positions Tp .. Tp + Tn - 1
     ks, vs = [], []
     for layer in range(cfg.n_layer):
         k_past = cache.k[layer] if Tp else None
         v_past = cache.v[layer] if Tp else None
-        x, k, v = _block_step(x, block_params(params, layer), k_past, v_past, cfg)  # (B, Tn, C)
+        x, k, v = _block_step(x, block_params(params, layer), k_past, v_past, cfg, Tp)  # (B,Tn,C)
         ks.append(k)
         vs.append(v)
     x_last = x[:, -1, :]  # (B, C), only the last position is needed for the next token
-    xf, _ = layernorm_forward(x_last, params["ln_f.weight"], params.get("ln_f.bias"),
-                              eps=cfg.layer_norm_epsilon)  # (B, C)
-    logits_last = xf @ wte.mT  # (B, V), the head tied to the token embedding
+    xf, _ = block_norm(x_last, params, "ln_f", block_options(cfg))  # (B, C)
+    logits_last = xf @ head_weight(params, cfg)  # (B, V), GPT-2's head is wte^T
     return logits_last, KVCache(ks, vs)
 
 
@@ -197,8 +216,11 @@ def _last_logits(params, cfg: GPTConfig, ids: list[int], cache: KVCache | None):
 
     The context is the last block_size ids. With a cache, only the ids it lacks are run; once the
     sequence is longer than block_size every window starts at a new position, so the cache is
-    rebuilt from the cropped window (learned positions must be those of the window).
+    rebuilt from the cropped window (learned positions must be those of the window). Experts
+    take every token routed to them (no capacity limit), with or without the cache.
     """
+    if cfg.capacity_factor is not None:
+        cfg = replace(cfg, capacity_factor=None)
     wte = params["wte.weight"]
     window = ids[-cfg.block_size :]
     if cache is None:

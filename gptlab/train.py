@@ -31,7 +31,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .checkpoint import STATE_FILE, load_run_checkpoint, read_state, save_run_checkpoint
-from .config import GELU_ALIASES, GELU_FORMS, GPTConfig
+from .config import GELU_ALIASES, GELU_FORMS, MLPS, NORMS, POSITIONS, GPTConfig
 from .data import EMBEDDED, get_batch, load_text, split_train_val
 from .model import gpt_forward, init_params, loss_and_grads
 from .optim import SGD, AdamW, matrices_and_positions, matrices_only
@@ -70,9 +70,30 @@ class TrainConfig:
     gelu: str = setting("tanh", "the MLP's GELU: tanh (GPT-2's approximation) or erf (the exact "
                         "form, nanoGPT's; exact and none mean erf too)",
                         choices=GELU_FORMS, aliases=GELU_ALIASES)
-    bias: bool = setting(True, "biases in every linear layer and LayerNorm (GPT-2 has them; "
-                         "nanoGPT's --no-bias drops them)")
+    bias: bool = setting(True, "biases in GPT-2's linear layers and LayerNorm (GPT-2 has them; "
+                         "nanoGPT's --no-bias drops them; LLaMA's parts have none)")
     dropout: float = setting(0.0, "dropout rate in training, in [0, 1)")
+    position: str = setting("learned", "learned: GPT-2's position table; sinusoidal: the fixed "
+                            "encoding; rope: rotary embeddings of q and k (LLaMA)",
+                            choices=POSITIONS)
+    norm: str = setting("layernorm", "layernorm (GPT-2) or rmsnorm (LLaMA: a gain, no bias)",
+                        choices=NORMS)
+    mlp: str = setting("gelu", "gelu: GPT-2's MLP; swiglu: LLaMA's gated MLP; moe: a mixture "
+                       "of n_expert GELU MLPs", choices=MLPS)
+    mlp_hidden: int | None = setting(None, "the MLP's hidden width; none: 4 n_embd (gelu, moe) "
+                                     "or LLaMA's 8/3 n_embd rounded up to a multiple of 256")
+    n_kv_head: int | None = setting(None, "key/value heads of LLaMA's grouped-query attention, "
+                                    "a divisor of n_head; none: GPT-2's attention (or, with "
+                                    "rope, LLaMA's with n_head)")
+    rope_base: float = setting(10000.0, "the base of the rotary frequencies")
+    tie_embeddings: bool = setting(True, "the output head is the token embedding (GPT-2); "
+                                   "--no-tie-embeddings gives it its own matrix (LLaMA)")
+    n_expert: int | None = setting(None, "number of experts of mlp=moe")
+    expert_top_k: int = setting(2, "experts each token is sent to (mlp=moe)")
+    capacity_factor: float | None = setting(None, "an expert takes at most this times its fair "
+                                            "share of a batch's tokens (mlp=moe); none: no limit")
+    aux_loss_weight: float = setting(0.01, "weight of the experts' load-balancing loss, added to "
+                                     "the training loss (mlp=moe)")
     # data
     data: str | None = setting(None, "UTF-8 text file to train on; none: the embedded corpus")
     tokenizer: str = setting("char", "char: one id per character of the corpus; bpe: byte-level "
@@ -152,7 +173,12 @@ class TrainConfig:
     def model_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
                          vocab_size=vocab_size, block_size=self.block_size, gelu=self.gelu,
-                         bias=self.bias, dropout=self.dropout)
+                         bias=self.bias, dropout=self.dropout, position=self.position,
+                         norm=self.norm, mlp=self.mlp, mlp_hidden=self.mlp_hidden,
+                         n_kv_head=self.n_kv_head, rope_base=self.rope_base,
+                         tie_embeddings=self.tie_embeddings, n_expert=self.n_expert,
+                         expert_top_k=self.expert_top_k, capacity_factor=self.capacity_factor,
+                         aux_loss_weight=self.aux_loss_weight)
 
     @property
     def array_backend(self) -> str:

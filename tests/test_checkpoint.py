@@ -437,3 +437,35 @@ def test_file_round_trip_onto_cuda(tmp_path):
     _train_gpt(resumed_model, resumed_opt, range(2, 4), device="cuda")
     for name, p in model.params.items():  # CUDA's scatter-add may sum in another order
         torch.testing.assert_close(resumed_model.params[name], p, rtol=0.0, atol=1e-12)
+
+
+VARIANTS = {
+    "llama": GPTConfig.llama(n_layer=1, n_head=4, n_embd=8, vocab_size=5, block_size=4,
+                             n_kv_head=2, mlp_hidden=12),
+    "moe": GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=5, block_size=4, mlp="moe",
+                     n_expert=3, capacity_factor=1.25, norm="rmsnorm", position="rope"),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variants_round_trip_with_their_names_and_config(tmp_path, variant):
+    """A run directory and a single file keep the variant's parameters under their names
+    (lm_head, q_proj, gate_proj, the experts' stacks) and its whole config in the JSON."""
+    cfg = VARIANTS[variant]
+    params = init_params(cfg, seed=3, backend="torch")
+    opt = AdamW(params, lr=1e-2)
+    params = opt.step(params, {n: torch.ones_like(p) for n, p in params.items()})
+    save_run_checkpoint(tmp_path / "run", step=1, params=params, optimizer=opt,
+                        tokenizer=TOKENIZER, model_config=cfg)  # fmt: skip
+    state = json.loads((tmp_path / "run" / STATE_FILE).read_text())
+    assert GPTConfig(**state["model_config"]) == cfg
+    run = load_run_checkpoint(tmp_path / "run", backend="torch")
+    assert run.model_config == cfg and set(run.params) == set(param_shapes(cfg))
+    _assert_same(run.params, params)
+    save_checkpoint(tmp_path / "one.safetensors", params, opt, step=1, config=cfg)
+    one = load_checkpoint(tmp_path / "one.safetensors")
+    assert one.config == cfg
+    _assert_same(one.params, params)
+    with safe_open(tmp_path / "one.safetensors", framework="np") as f:
+        names = set(f.keys())
+    assert set(param_shapes(cfg)) <= names  # the parameters under their own names

@@ -29,11 +29,17 @@ FIELDS = [field.name for field in fields(TrainConfig)]
 # The enumerated fields, written out here so that one losing its choices fails a test.
 CHOICES = {"gelu": ("tanh", "erf"), "tokenizer": ("char", "bpe"), "optimizer": ("adamw", "sgd"),
            "lr_schedule": ("cosine", "inverse_sqrt", "constant"), "log_format": ("csv", "jsonl"),
-           "backend": ("numpy", "torch", "autograd"), "dtype": ("float32", "float64")}
+           "backend": ("numpy", "torch", "autograd"), "dtype": ("float32", "float64"),
+           "position": ("learned", "sinusoidal", "rope"), "norm": ("layernorm", "rmsnorm"),
+           "mlp": ("gelu", "swiglu", "moe")}
 # Two configs that, between them, set every field to something other than its default (no one
-# config can: the autograd backend has no dropout, and threads is torch's, not numpy's).
+# config can: the autograd backend has no dropout, threads is torch's, not numpy's, and LLaMA's
+# SwiGLU has no biases, a mixture of experts has).
 AUTOGRAD_RUN = dict(
     n_layer=2, n_head=2, n_embd=32, block_size=16, gelu="erf", bias=False, dropout=0.0,
+    position="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=48, n_kv_head=1, rope_base=500.0,
+    tie_embeddings=False, n_expert=None, expert_top_k=2, capacity_factor=None,
+    aux_loss_weight=0.01,
     data="corpus.txt", tokenizer="bpe", vocab_size=300, tokenizer_path="tok/tokenizer.json",
     val_fraction=0.2, batch_size=3, optimizer="sgd", lr=0.05, weight_decay=0.0,
     betas=(0.8, 0.99), eps=1e-6, momentum=0.5, decay_position_embeddings=True, grad_clip=0.5,
@@ -41,7 +47,9 @@ AUTOGRAD_RUN = dict(
     eval_interval=2, eval_iters=4, log_format="jsonl", out_dir="runs/x", checkpoint_interval=0,
     resume=True, backend="autograd", device="cuda:1", dtype="float64", threads=3, seed=7,
 )
-NUMPY_RUN = dict(AUTOGRAD_RUN, backend="numpy", device="cpu", dropout=0.1, threads=None)
+NUMPY_RUN = dict(AUTOGRAD_RUN, backend="numpy", device="cpu", dropout=0.1, threads=None,
+                 bias=True, mlp="moe", n_expert=4, expert_top_k=1, capacity_factor=1.5,
+                 aux_loss_weight=0.1)
 
 
 def subcommand(name: str) -> argparse.ArgumentParser:
@@ -166,6 +174,10 @@ def test_short_and_optional_spellings():
     (dict(threads=0), r"TrainConfig.threads must be None or >= 1, got 0"),
     (dict(threads=2, backend="numpy"), r"threads sets torch's thread count.*OMP_NUM_THREADS"),
     (dict(backend="jax"), r"TrainConfig.backend must be one of \('numpy', 'torch', 'autograd'\)"),
+    (dict(norm="rmsnorm", mlp="swiglu", position="rope"), r"bias=True, but RMSNorm, SwiGLU .*"
+                                                          "set bias=False"),
+    (dict(mlp="moe"), "mlp='moe' needs n_expert"),
+    (dict(n_head=4, n_kv_head=3), r"n_head \(4\) must be a multiple of n_kv_head \(3\)"),
 ])
 def test_bad_configs_are_refused(values, message):
     with pytest.raises(ValueError, match=message):

@@ -539,7 +539,7 @@ def test_config_sizes_must_be_positive_integers(field, value):
         GPTConfig(**kwargs)
 
 
-@pytest.mark.parametrize("field, value", [("ln_order", "sandwich"), ("position", "rope"), ("gelu", "relu")])
+@pytest.mark.parametrize("field, value", [("ln_order", "sandwich"), ("position", "alibi"), ("gelu", "relu")])
 def test_config_choices_are_checked(field, value):
     with pytest.raises(ValueError, match=rf"GPTConfig.{field} must be one of .*, got '{value}'"):
         GPTConfig(n_layer=1, n_head=1, n_embd=4, vocab_size=V, block_size=8, **{field: value})

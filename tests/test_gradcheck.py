@@ -351,3 +351,28 @@ def test_not_callable():
         check_layer(None, linear_backward, randn("numpy", 2))
     with pytest.raises(ValueError, match="backward must be callable"):
         check_layer(linear_forward, "linear_backward", randn("numpy", 2))
+
+
+VARIANT_CONFIGS = {
+    "llama": GPTConfig.llama(n_layer=2, n_head=4, n_embd=8, vocab_size=11, block_size=6,
+                             n_kv_head=2, mlp_hidden=12),
+    "moe": GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=6, mlp="moe",
+                     n_expert=3, mlp_hidden=12, capacity_factor=1.0, aux_loss_weight=0.1),
+}
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+@pytest.mark.parametrize("variant", VARIANT_CONFIGS)
+def test_check_model_passes_on_variants(variant, oracle):
+    """A tiny LLaMA-style model (RMSNorm, SwiGLU, RoPE, grouped-query attention, untied head) and
+    one with experts (top-2 of 3, a capacity that drops tokens, the load-balancing loss): every
+    gradient by name. Parameters get N(0, 0.3) noise so the routing is far from a tie that a
+    finite-difference step could flip."""
+    cfg = VARIANT_CONFIGS[variant]
+    rng = np.random.default_rng(1)
+    params = {name: p + rng.normal(0.0, 0.3, p.shape)
+              for name, p in init_params(cfg, seed=0, dtype="float64").items()}  # fmt: skip
+    idx, targets = rng.integers(0, 11, size=(2, 6)), rng.integers(0, 11, size=(2, 6))
+    result = check_model(params, idx, targets, cfg, oracle=oracle, max_elements=10)
+    assert result.names == list(param_shapes(cfg))
+    result.assert_ok()

@@ -275,6 +275,29 @@ def _rotation_pair(R, start=0):
     return rotate_forward, rotate_backward
 
 
+# issue 14, model variants: the block with LLaMA's parts (RMSNorm, SwiGLU, grouped-query attention
+# with RoPE) and with a mixture of experts
+LLAMA_BLOCK = {"n_head": NH, "n_kv_head": 1, "norm": "rmsnorm", "mlp": "swiglu",
+               "rope_base": 10000.0}
+MOE_BLOCK = {"n_head": NH, "mlp": "moe", "moe": {"k": 2, "capacity_factor": 1.0,
+                                                 "aux_weight": 0.5}}  # fmt: skip
+MOE_BLOCK_PAIR = _pair_as_one_output(block_forward, block_backward)
+
+
+def _variant_block_args(rng, *, n_head, n_kv_head=None, norm="layernorm", mlp="gelu", **_):
+    """x (B, T, C) and block parameters for these parts (biases only where the part has them);
+    a MoE's router scaled up so that every token's router logits lie far apart and no
+    finite-difference step changes its choice of experts."""
+    shapes = block_param_shapes(C, n_head=n_head, n_kv_head=n_kv_head, norm=norm, mlp=mlp,
+                                n_expert=E, hidden=6)  # fmt: skip
+    p = {name: 0.5 * rng.standard_normal(shape) for name, shape in shapes.items()}
+    p["ln_1.weight"] += 1.0
+    p["ln_2.weight"] += 1.0
+    if mlp == "moe":
+        p["mlp.router.weight"] *= 5.0
+    return _normal(rng, B, T, C), p
+
+
 CASES = [
     Case("embedding", embedding_forward, embedding_backward,
          lambda rng: (_ids(rng, V, B, T), _normal(rng, V, C))),
@@ -392,6 +415,14 @@ CASES = [
          {"k": 1, "renormalize": False, "capacity_factor": 0.5, "aux_weight": 0.5}),
     Case("moe_k2_capacity_drops", *MOE, _moe_args,
          {"k": 2, "renormalize": True, "capacity_factor": 0.5, "aux_weight": 0.5}),
+    # issue 14, model variants: blocks with LLaMA's parts and with experts
+    Case("block_llama", block_forward, block_backward,
+         lambda rng: _variant_block_args(rng, **LLAMA_BLOCK), LLAMA_BLOCK),
+    Case("block_llama_post_dropout", block_forward, block_backward,
+         lambda rng: _variant_block_args(rng, **LLAMA_BLOCK),
+         {**LLAMA_BLOCK, "ln_order": "post", "dropout": 0.25, "seed": 3}),
+    Case("block_moe_pair", *MOE_BLOCK_PAIR, lambda rng: _variant_block_args(rng, **MOE_BLOCK),
+         MOE_BLOCK),
 ]  # fmt: skip
 CASE_IDS = [case.id for case in CASES]
 

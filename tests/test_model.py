@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gptlab import GPTConfig, gpt_backward, gpt_forward, init_params, param_shapes
+from gptlab import GPTConfig, count_params, gpt_backward, gpt_forward, init_params, param_shapes
 from gptlab.backend import convert, to_numpy
 from gptlab.reference.torch_gpt import reference_forward, relative_error
 
@@ -56,6 +56,8 @@ def ours(params, idx, cfg, targets=None, dlogits=None, backend="numpy", dtype="f
 
 
 def assert_close(got, want, tol, what):
+    if relative_error(want, torch.zeros(())) < 1e-14:  # round-off around an exact zero (the
+        want = torch.zeros(())  # router of a top-1 MoE gets no gradient through its gate of 1)
     err = relative_error(got, want)
     assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}"
 
@@ -224,3 +226,132 @@ def test_gpt_backward_without_loss_or_dlogits(setup):
 def test_config_rejects_n_embd_not_divisible_by_n_head():
     with pytest.raises(ValueError, match=r"n_embd \(10\) must be divisible by n_head \(3\)"):
         GPTConfig(n_layer=1, n_head=3, n_embd=10, vocab_size=11, block_size=8)
+
+
+# --- model variants: LLaMA's parts (RMSNorm, SwiGLU, RoPE, grouped-query attention, untied head)
+
+
+VARIANTS = {
+    "llama-gqa": GPTConfig.llama(n_layer=2, n_head=4, n_embd=16, vocab_size=11, block_size=8,
+                                 n_kv_head=2, mlp_hidden=20),
+    "llama-mqa": GPTConfig.llama(**TINY, n_kv_head=1, mlp_hidden=12),
+    "llama-mha-tied": GPTConfig.llama(**TINY, mlp_hidden=12, tie_embeddings=True),
+    "rmsnorm-gelu-sinusoidal-post": GPTConfig(**TINY, norm="rmsnorm", position="sinusoidal",
+                                              ln_order="post"),
+    "layernorm-swiglu-gqa-learned-nobias": GPTConfig(**TINY, mlp="swiglu", mlp_hidden=12,
+                                                     n_kv_head=1, bias=False),
+    "layernorm-gelu-rope-post-untied": GPTConfig(**TINY, position="rope", ln_order="post",
+                                                 tie_embeddings=False, gelu="erf"),
+    "moe-top2": GPTConfig(**TINY, mlp="moe", n_expert=4, aux_loss_weight=0.1),
+    "moe-top1-capacity-rmsnorm-rope-mqa": GPTConfig(**TINY, mlp="moe", n_expert=3, expert_top_k=1,
+                                                    capacity_factor=1.0, aux_loss_weight=0.05,
+                                                    norm="rmsnorm", position="rope", n_kv_head=1,
+                                                    tie_embeddings=False, mlp_hidden=12),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variants_match_reference_float64(name, backend):
+    """Logits, loss and every gradient by name against the independent torch reference."""
+    cfg = VARIANTS[name]
+    params = random_params(cfg)
+    idx, targets = random_tokens(cfg, B=3, T=cfg.block_size)
+    got = ours(params, idx, cfg, targets, backend=backend)
+    assert_all_close(got, reference(params, idx, cfg, targets), cfg, 1e-10)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variants_dlogits_path_and_float32(name):
+    cfg = VARIANTS[name]
+    params = random_params(cfg)
+    idx, targets = random_tokens(cfg, B=2, T=5)
+    dlogits = np.random.default_rng(3).normal(size=(2, 5, cfg.vocab_size))
+    got = ours(params, idx, cfg, dlogits=dlogits, backend="torch")
+    assert_all_close(got, reference(params, idx, cfg, dlogits=dlogits), cfg, 1e-10)
+    logits, loss, grads = ours(params, idx, cfg, targets, backend="numpy", dtype="float32")
+    ref_logits, ref_loss, ref_grads = reference(params, idx, cfg, targets)
+    assert logits.dtype == np.float32
+    assert_close(logits, ref_logits, 1e-5, "float32 logits")
+    for name_ in grads:
+        assert_close(grads[name_], ref_grads[name_], 1e-4, f"float32 d{name_}")
+
+
+@settings(max_examples=10, deadline=None)
+@given(B=st.integers(1, 3), T=st.integers(1, 8), seed=st.integers(0, 2**16),
+       name=st.sampled_from(list(VARIANTS)))  # fmt: skip
+def test_property_variants_any_shape(B, T, seed, name):
+    cfg = VARIANTS[name]
+    params = random_params(cfg, seed)
+    idx, targets = random_tokens(cfg, B, T, seed)
+    got = ours(params, idx, cfg, targets)
+    assert_all_close(got, reference(params, idx, cfg, targets), cfg, 1e-10)
+
+
+def test_llama_parameter_names_and_shapes():
+    """LLaMA's parts under names that say what they are, in the (in, out) layout."""
+    cfg = VARIANTS["llama-gqa"]  # C = 16, NH = 4, NKV = 2, hs = 4, H = 20, V = 11
+    assert param_shapes(cfg) == {
+        "wte.weight": (11, 16),
+        **{name: shape for layer in range(2) for name, shape in {
+            f"h.{layer}.ln_1.weight": (16,),
+            f"h.{layer}.attn.q_proj.weight": (16, 16),
+            f"h.{layer}.attn.k_proj.weight": (16, 8),
+            f"h.{layer}.attn.v_proj.weight": (16, 8),
+            f"h.{layer}.attn.o_proj.weight": (16, 16),
+            f"h.{layer}.ln_2.weight": (16,),
+            f"h.{layer}.mlp.gate_proj.weight": (16, 20),
+            f"h.{layer}.mlp.up_proj.weight": (16, 20),
+            f"h.{layer}.mlp.down_proj.weight": (20, 16),
+        }.items()},
+        "ln_f.weight": (16,),
+        "lm_head.weight": (16, 11),
+    }  # fmt: skip
+    C, V, L, H, kv = 16, 11, 2, 20, 8
+    assert count_params(cfg) == V * C + L * (2 * C + 2 * C * C + 2 * C * kv + 3 * C * H) + C + C * V
+
+
+def test_llama_preset_and_init():
+    cfg = GPTConfig.llama(n_layer=32, n_head=32, n_embd=4096, vocab_size=32000, block_size=2048)
+    assert (cfg.norm, cfg.mlp, cfg.position, cfg.bias, cfg.tie_embeddings) == (
+        "rmsnorm", "swiglu", "rope", False, False)
+    assert cfg.kv_heads == cfg.n_kv_head == 32 and cfg.grouped_attention
+    assert cfg.mlp_hidden_size == 11008 and cfg.layer_norm_epsilon == 1e-6  # LLaMA-7B's
+    assert 6.7e9 < count_params(cfg) < 6.8e9  # "LLaMA 7B": 6.74 billion
+    tiny = VARIANTS["llama-gqa"]
+    params = init_params(tiny, seed=0, dtype="float64")
+    assert np.all(params["h.1.ln_2.weight"] == 1.0) and np.all(params["ln_f.weight"] == 1.0)
+    std = {name: float(np.std(params[name])) for name in ("h.0.attn.o_proj.weight",
+                                                          "h.0.mlp.down_proj.weight",
+                                                          "h.0.mlp.up_proj.weight")}  # fmt: skip
+    assert std["h.0.attn.o_proj.weight"] < 0.7 * std["h.0.mlp.up_proj.weight"]  # 1/sqrt(2L)
+    assert std["h.0.mlp.down_proj.weight"] < 0.7 * std["h.0.mlp.up_proj.weight"]
+
+
+def test_default_config_is_gpt2():
+    """The new fields default to GPT-2's model: the same names, shapes and initial values."""
+    cfg = GPTConfig(**TINY)
+    assert (cfg.norm, cfg.mlp, cfg.position, cfg.n_kv_head) == ("layernorm", "gelu", "learned", None)
+    assert cfg.tie_embeddings and cfg.bias
+    assert not cfg.grouped_attention and cfg.kv_heads == 2 and cfg.mlp_hidden_size == 32
+    assert list(param_shapes(cfg))[:4] == ["wte.weight", "wpe.weight", "h.0.ln_1.weight",
+                                           "h.0.ln_1.bias"]
+    assert "lm_head.weight" not in param_shapes(cfg)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(norm="batchnorm"), r"GPTConfig.norm must be one of \('layernorm', 'rmsnorm'\)"),
+    (dict(mlp="relu"), r"GPTConfig.mlp must be one of \('gelu', 'swiglu', 'moe'\)"),
+    (dict(position="alibi"), r"GPTConfig.position must be one of \('learned', .*'rope'\)"),
+    (dict(n_kv_head=0), "GPTConfig.n_kv_head must be a positive integer or None, got 0"),
+    (dict(n_head=4, n_kv_head=3), r"n_head \(4\) must be a multiple of n_kv_head \(3\)"),
+    (dict(mlp_hidden=2.5), "GPTConfig.mlp_hidden must be a positive integer or None, got 2.5"),
+    (dict(n_head=4, n_embd=12, position="rope"), "head size n_embd // n_head = 3 must be even"),
+    (dict(position="rope", rope_base=0.0), "GPTConfig.rope_base must be a positive number"),
+    (dict(tie_embeddings="no"), "GPTConfig.tie_embeddings must be True or False, got 'no'"),
+    (dict(norm="rmsnorm", mlp="swiglu", n_kv_head=2), "bias=True, but RMSNorm, SwiGLU and "
+                                                      "LLaMA's attention have no biases"),
+])  # fmt: skip
+def test_config_rejects_bad_variants(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**{**TINY, **fields})

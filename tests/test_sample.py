@@ -247,3 +247,63 @@ def test_float_prompt_is_a_type_error():
     cfg = tiny_cfg()
     with pytest.raises(TypeError, match="prompt_ids"):
         generate(random_params(cfg, "numpy"), cfg, [1.0, 2.0], 3)
+
+
+# --- model variants: RoPE offsets the new positions by the cache length; GQA caches NKV heads --
+
+TINY_VARIANT = dict(n_layer=2, n_head=4, n_embd=16, vocab_size=11, block_size=8)
+VARIANTS = {
+    "llama-gqa": GPTConfig.llama(**TINY_VARIANT, n_kv_head=2, mlp_hidden=24),
+    "llama-mqa-tied-post": GPTConfig.llama(**TINY_VARIANT, n_kv_head=1, mlp_hidden=24,
+                                           tie_embeddings=True, ln_order="post"),
+    "rmsnorm-swiglu-gqa-sinusoidal": GPTConfig(**TINY_VARIANT, norm="rmsnorm", mlp="swiglu",
+                                               mlp_hidden=24, n_kv_head=2, bias=False,
+                                               position="sinusoidal"),
+    "layernorm-gelu-rope": GPTConfig(**TINY_VARIANT, position="rope", tie_embeddings=False),
+    # experts without a capacity limit route every token on its own: the cache changes nothing
+    "moe-top2": GPTConfig(**TINY_VARIANT, mlp="moe", n_expert=3, mlp_hidden=12),
+    "moe-top1-llama-parts": GPTConfig(**TINY_VARIANT, mlp="moe", n_expert=4, expert_top_k=1,
+                                      mlp_hidden=12, norm="rmsnorm", position="rope", n_kv_head=2),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variants_kv_cache_logits_equal_full_forward(backend, name):
+    cfg = VARIANTS[name]
+    params = random_params(cfg, backend)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, cfg.block_size))  # (B, T)
+    cache, t = KVCache(), 0
+    for n_new in (3, 1, 2, 1, 1):
+        new = convert(ids[:, t : t + n_new], backend)  # (B, Tn)
+        t += n_new
+        logits, cache = forward_step(params, cfg, new, cache)  # (B, V)
+        full, _, _ = gpt_forward(params, convert(ids[:, :t], backend), cfg)  # (B, t, V)
+        assert cache.length == t
+        assert all(tuple(k.shape) == (2, cfg.kv_heads, t, cfg.head_size) for k in cache.k + cache.v)
+        assert np.max(np.abs(to_numpy(logits) - to_numpy(full)[:, -1])) < 1e-12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("options", [SAMPLING[0], SAMPLING[2]])
+def test_variants_same_tokens_with_and_without_cache(backend, name, options):
+    cfg = VARIANTS[name]
+    params = random_params(cfg, backend)
+    n_new = 2 * cfg.block_size  # past the context: the cache is rebuilt from cropped windows
+    cached = generate(params, cfg, [1, 2, 3], n_new, seed=5, use_kv_cache=True, **options)
+    assert cached == generate(params, cfg, [1, 2, 3], n_new, seed=5, use_kv_cache=False, **options)
+    assert len(cached) == 3 + n_new
+
+
+@pytest.mark.parametrize("options", [SAMPLING[0], SAMPLING[3]])
+def test_experts_with_a_capacity_generate_the_same_tokens_with_and_without_cache(options):
+    """Generation lifts the capacity limit: a cached step routes fewer tokens at once than a
+    full forward, and would otherwise drop others."""
+    cfg = GPTConfig(**TINY_VARIANT, mlp="moe", n_expert=3, expert_top_k=1, capacity_factor=0.5,
+                    mlp_hidden=12)  # fmt: skip
+    params = random_params(cfg, "torch")
+    cached = generate(params, cfg, [1, 2, 3], 12, seed=5, use_kv_cache=True, **options)
+    assert cached == generate(params, cfg, [1, 2, 3], 12, seed=5, use_kv_cache=False, **options)
+    unlimited = GPTConfig(**{**cfg.to_dict(), "capacity_factor": None})
+    assert cached == generate(params, unlimited, [1, 2, 3], 12, seed=5, **options)

@@ -167,11 +167,19 @@ def test_cli_has_an_option_for_every_config_field():
     assert args.data == "x.txt" and args.resume is True and args.max_iters == 7
 
 
-@pytest.mark.parametrize("arch", [{}, {"bias": False, "gelu": "erf"}], ids=["gpt2", "nanogpt"])
+LLAMA = dict(position="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=24, n_kv_head=1,
+             bias=False, tie_embeddings=False)
+MOE = dict(mlp="moe", n_expert=3, expert_top_k=1, capacity_factor=1.5, aux_loss_weight=0.1,
+           mlp_hidden=24)
+
+
+@pytest.mark.parametrize("arch", [{}, {"bias": False, "gelu": "erf"}, LLAMA, MOE],
+                         ids=["gpt2", "nanogpt", "llama", "moe"])
 @pytest.mark.parametrize("other", ["numpy", "autograd"])
 def test_backends_give_the_same_losses(tmp_path, corpus, other, arch):
     """numpy (hand-written), torch (hand-written) and torch autograd agree in float64, with
-    GPT-2's blocks and with nanoGPT's (no biases, exact GELU)."""
+    GPT-2's blocks, nanoGPT's (no biases, exact GELU), LLaMA's (RMSNorm, SwiGLU, RoPE,
+    multi-query attention, untied head) and experts (top-1 of 3, capacity, aux loss)."""
     base = dict(TINY, **arch, data=str(corpus), dtype="float64", max_iters=3, eval_interval=1)
     runs = [train(TrainConfig(**base, backend=b, out_dir=str(tmp_path / b)), progress=False)
             for b in ("torch", other)]
@@ -179,3 +187,26 @@ def test_backends_give_the_same_losses(tmp_path, corpus, other, arch):
     np.testing.assert_allclose(a, b, rtol=1e-10)
     for name, value in runs[0].params.items():
         np.testing.assert_allclose(to_numpy(runs[1].params[name]), to_numpy(value), atol=1e-10)
+
+
+def test_cli_trains_a_llama_style_model_and_resumes_exactly(tmp_path, corpus):
+    """The LLaMA-style options on the command line; a run stopped at step 4 and resumed to step
+    8 ends where a run that never stopped does (the cosine pinned to step 8 for both)."""
+    config = dict(TINY, **LLAMA, data=corpus, eval_interval=4, lr_decay_iters=8, dropout=0.1)
+    args = _cli_args("-", **config, quiet=True)
+    straight = _gptlab("train", *args, "--max-iters", "8", "--out-dir", str(tmp_path / "s"))
+    stopped = tmp_path / "stopped"
+    _finish(_gptlab("train", *args, "--max-iters", "4", "--out-dir", str(stopped)))
+    assert load_run_checkpoint(stopped).step == 4
+    _finish(_gptlab("train", *args, "--max-iters", "8", "--out-dir", str(stopped), "--resume"))
+    _finish(straight)
+    a, b = load_run_checkpoint(stopped), load_run_checkpoint(tmp_path / "s")
+    assert a.step == b.step == 8 and a.model_config == b.model_config
+    assert a.model_config == TrainConfig(**{**config, "data": str(corpus)}).model_config(
+        a.tokenizer.vocab_size)  # fmt: skip
+    assert a.state["model_config"]["position"] == "rope" and "lm_head.weight" in a.params
+    assert max(float(np.max(np.abs(a.params[n] - b.params[n]))) for n in a.params) <= 1e-6
+    assert a.state["history"] == b.state["history"]
+    sample = _finish(_gptlab("sample", "--checkpoint", str(stopped), "--prompt", "def",
+                             "--max-new-tokens", "6", "--seed", "2"))
+    assert sample.startswith("def")

@@ -4,6 +4,14 @@ It reads the same flat params dict (GPT-2 names, (in, out) layout) and ``GPTConf
 ``gptlab.gpt_forward`` but shares no code with ``gptlab.layers``: LayerNorm, GELU and
 cross-entropy come from ``torch.nn.functional``, attention is written out with ``masked_fill``,
 and the sinusoidal table is built here. Dropout is not modelled (evaluation mode only).
+
+The LLaMA-style parts are written the same way: RMSNorm is ``F.rms_norm``, SwiGLU
+``F.silu(x @ w_gate) * (x @ w_up)``, grouped-query attention repeats each key/value head for its
+query heads (``repeat_interleave``, as Hugging Face's ``repeat_kv``), and rotary embeddings
+multiply complex numbers: the pair (x[i], x[i + hs/2]) is x[i] + i x[i + hs/2], turned by
+exp(i t theta_i) (``rotary``), where the package rotates real pairs. A mixture of experts runs
+every expert on every token and weighs the outputs by gates that are zero where a token did not
+choose the expert or found it full (``_experts``), where the package gathers each expert's tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import torch.nn.functional as F
 
 from ..config import GPTConfig
 
-__all__ = ["reference_forward", "sinusoidal_table", "relative_error"]
+__all__ = ["reference_forward", "sinusoidal_table", "rotary", "relative_error"]
 
 
 def sinusoidal_table(T: int, C: int, *, dtype, device=None) -> torch.Tensor:
@@ -28,6 +36,18 @@ def sinusoidal_table(T: int, C: int, *, dtype, device=None) -> torch.Tensor:
     return table
 
 
+def rotary(x, base: float = 10000.0) -> torch.Tensor:
+    """x (..., T, hs) with position t in row t -> each pair (x[i], x[i + hs/2]), read as the
+    complex number z = x[i] + i x[i + hs/2], multiplied by exp(i t theta_i),
+    theta_i = base^(-2i / hs)."""
+    T, hs = x.shape[-2], x.shape[-1]
+    theta = base ** (-torch.arange(0, hs, 2, dtype=x.dtype, device=x.device) / hs)  # (hs/2,)
+    angle = torch.arange(T, dtype=x.dtype, device=x.device)[:, None] * theta  # (T, hs/2)
+    turn = torch.polar(torch.ones_like(angle), angle)  # (T, hs/2) exp(i t theta_i)
+    z = torch.complex(x[..., : hs // 2], x[..., hs // 2 :]) * turn  # (..., T, hs/2)
+    return torch.cat([z.real, z.imag], dim=-1)  # (..., T, hs)
+
+
 def _affine(x, p: dict, prefix: str):
     """x @ w + b, or x @ w when the model has no biases."""
     y = x @ p[prefix + "weight"]
@@ -35,23 +55,69 @@ def _affine(x, p: dict, prefix: str):
     return y if bias is None else y + bias
 
 
+def _causal(q, k, v):
+    """q, k, v (B, NH, T, hs) -> the heads merged (B, T, NH*hs), each query seeing keys <= it."""
+    B, NH, T, hs = q.shape
+    scores = q @ k.transpose(-2, -1) / math.sqrt(hs)  # (B, NH, T, T)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # (T, T)
+    att = scores.masked_fill(future, float("-inf")).softmax(dim=-1)  # (B, NH, T, T)
+    return (att @ v).transpose(1, 2).reshape(B, T, NH * hs)  # (B, T, NH*hs)
+
+
 def _attention(x, p: dict, prefix: str, n_head: int):
-    """Causal self-attention, x (B, T, C) -> (B, T, C)."""
+    """GPT-2's causal self-attention, x (B, T, C) -> (B, T, C)."""
     B, T, C = x.shape
     hs = C // n_head
     qkv = _affine(x, p, prefix + "c_attn.")  # (B, T, 3C)
     q, k, v = qkv.split(C, dim=-1)  # (B, T, C) each
     q, k, v = (t.view(B, T, n_head, hs).transpose(1, 2) for t in (q, k, v))  # (B, NH, T, hs)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(hs)  # (B, NH, T, T)
-    future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)  # (T, T)
-    att = scores.masked_fill(future, float("-inf")).softmax(dim=-1)  # (B, NH, T, T)
-    y = (att @ v).transpose(1, 2).reshape(B, T, C)  # (B, T, C)
-    return _affine(y, p, prefix + "c_proj.")  # (B, T, C)
+    return _affine(_causal(q, k, v), p, prefix + "c_proj.")  # (B, T, C)
 
 
-def _mlp(x, p: dict, prefix: str, approximate: str):
-    """x (B, T, C) -> (B, T, C)."""
-    h = F.gelu(_affine(x, p, prefix + "c_fc."), approximate=approximate)  # (B, T, 4C)
+def _grouped_attention(x, p: dict, prefix: str, cfg: GPTConfig):
+    """LLaMA's attention: x (B, T, C) -> (B, T, C), kv_heads key/value heads, RoPE if asked."""
+    B, T, C = x.shape
+    NH, NKV, hs = cfg.n_head, cfg.kv_heads, cfg.head_size
+    q = (x @ p[prefix + "q_proj.weight"]).view(B, T, NH, hs).transpose(1, 2)  # (B, NH, T, hs)
+    k = (x @ p[prefix + "k_proj.weight"]).view(B, T, NKV, hs).transpose(1, 2)  # (B, NKV, T, hs)
+    v = (x @ p[prefix + "v_proj.weight"]).view(B, T, NKV, hs).transpose(1, 2)  # (B, NKV, T, hs)
+    if cfg.position == "rope":
+        q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
+    k = k.repeat_interleave(NH // NKV, dim=1)  # (B, NH, T, hs): query head h reads k[h // G]
+    v = v.repeat_interleave(NH // NKV, dim=1)  # (B, NH, T, hs)
+    return _causal(q, k, v) @ p[prefix + "o_proj.weight"]  # (B, T, C)
+
+
+def _experts(x, p: dict, prefix: str, cfg: GPTConfig):
+    """A mixture of GELU experts, x (B, T, C) -> (y (B, T, C), load-balancing loss ())."""
+    B, T, C = x.shape
+    xs = x.reshape(B * T, C)  # (N, C), tokens in order
+    N, E, k = B * T, cfg.n_expert, cfg.expert_top_k
+    logits = xs @ p[prefix + "router.weight"]  # (N, E)
+    probs = logits.softmax(dim=-1)  # (N, E)
+    chosen = F.one_hot(logits.topk(k, dim=-1).indices, E).sum(dim=1).bool()  # (N, E)
+    gates = torch.where(chosen, probs, 0.0)  # (N, E)
+    gates = gates / gates.sum(dim=-1, keepdim=True)  # (N, E) renormalized over the k chosen
+    if cfg.capacity_factor is not None:  # an expert takes the first tokens that chose it
+        capacity = math.ceil(cfg.capacity_factor * N * k / E)
+        gates = torch.where(chosen.long().cumsum(dim=0) <= capacity, gates, 0.0)  # (N, E)
+    y = torch.zeros_like(xs)  # (N, C)
+    for e in range(E):
+        w_fc, b_fc = p[prefix + "experts.c_fc.weight"][e], p[prefix + "experts.c_fc.bias"][e]
+        w_proj, b_proj = p[prefix + "experts.c_proj.weight"][e], p[prefix + "experts.c_proj.bias"][e]
+        h = F.gelu(xs @ w_fc + b_fc, approximate=cfg.gelu_approximate) @ w_proj + b_proj  # (N, C)
+        y = y + gates[:, e : e + 1] * h  # (N, C)
+    share = chosen.sum(dim=0).to(probs.dtype) / (N * k)  # (E,) of the choices, before capacity
+    aux = cfg.aux_loss_weight * E * (share * probs.mean(dim=0)).sum()  # ()
+    return y.reshape(B, T, C), aux
+
+
+def _mlp(x, p: dict, prefix: str, cfg: GPTConfig):
+    """GPT-2's GELU MLP or LLaMA's SwiGLU, x (B, T, C) -> (B, T, C)."""
+    if cfg.mlp == "swiglu":
+        gate = F.silu(x @ p[prefix + "gate_proj.weight"])  # (B, T, H)
+        return (gate * (x @ p[prefix + "up_proj.weight"])) @ p[prefix + "down_proj.weight"]
+    h = F.gelu(_affine(x, p, prefix + "c_fc."), approximate=cfg.gelu_approximate)  # (B, T, H)
     return _affine(h, p, prefix + "c_proj.")  # (B, T, C)
 
 
@@ -65,26 +131,44 @@ def reference_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, traini
     eps = cfg.layer_norm_epsilon
 
     def ln(x, name):
+        if cfg.norm == "rmsnorm":
+            return F.rms_norm(x, (C,), params[name + ".weight"], eps)
         return F.layer_norm(x, (C,), params[name + ".weight"], params.get(name + ".bias"), eps)
+
+    def attention(x, prefix):
+        if cfg.grouped_attention:
+            return _grouped_attention(x, params, prefix, cfg)
+        return _attention(x, params, prefix, cfg.n_head)
 
     wte = params["wte.weight"]
     x = wte[idx]  # (B, T, C)
     if cfg.position == "learned":
         x = x + params["wpe.weight"][:T]  # (B, T, C)
-    else:
+    elif cfg.position == "sinusoidal":
         x = x + sinusoidal_table(T, C, dtype=wte.dtype, device=wte.device)  # (B, T, C)
+    aux_losses = []
+
+    def mlp(x, prefix):
+        if cfg.mlp != "moe":
+            return _mlp(x, params, prefix, cfg)
+        y, aux = _experts(x, params, prefix, cfg)
+        aux_losses.append(aux)
+        return y
+
     for layer in range(cfg.n_layer):
         h = f"h.{layer}."
         if cfg.ln_order == "pre":
-            x = x + _attention(ln(x, h + "ln_1"), params, h + "attn.", cfg.n_head)  # (B, T, C)
-            x = x + _mlp(ln(x, h + "ln_2"), params, h + "mlp.", cfg.gelu_approximate)  # (B, T, C)
+            x = x + attention(ln(x, h + "ln_1"), h + "attn.")  # (B, T, C)
+            x = x + mlp(ln(x, h + "ln_2"), h + "mlp.")  # (B, T, C)
         else:
-            x = ln(x + _attention(x, params, h + "attn.", cfg.n_head), h + "ln_1")  # (B, T, C)
-            x = ln(x + _mlp(x, params, h + "mlp.", cfg.gelu_approximate), h + "ln_2")  # (B, T, C)
-    logits = ln(x, "ln_f") @ wte.T  # (B, T, V)
+            x = ln(x + attention(x, h + "attn."), h + "ln_1")  # (B, T, C)
+            x = ln(x + mlp(x, h + "mlp."), h + "ln_2")  # (B, T, C)
+    head = wte.T if cfg.tie_embeddings else params["lm_head.weight"]  # (C, V)
+    logits = ln(x, "ln_f") @ head  # (B, T, V)
     loss = None
     if targets is not None:
         loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))  # ()
+        loss = loss + sum(aux_losses)  # () the experts' load-balancing losses, if any
     return logits, loss
 
 
