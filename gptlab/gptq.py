@@ -28,6 +28,8 @@ always 0 (H_ii = 0) gets H_ii = 1 and its row of w is set to 0: it never reaches
 With H diagonal (uncorrelated inputs, X^T X a multiple of I) U is diagonal, nothing is moved,
 and GPTQ is round to nearest. Everything runs in float64; the result is a ``QuantizedTensor``
 whose scales have w's dtype.
+
+Book: chapter 19, "Quantization", "GPTQ".
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ torch autograd of the same surrogate, not against finite differences.
 
 GPTQ (Frantar et al. 2022), which picks the codes so that x @ w_hat stays close to x @ w on
 calibration inputs, is in ``gptlab.gptq``; whole-model helpers are in ``gptlab.quant_model``.
+
+Book: chapter 19, "Quantization".
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ The attention layer of LLaMA-style models puts bias-free projections around it:
 Generation keeps k and v of every layer: 2 * n_layer * B * NKV * T * hs numbers, NH / NKV times
 fewer than multi-head attention keeps (``kv_cache_size``).
 
-Book: the chapter on today's open-model blocks (grouped-query attention).
+Book: chapter 17, "Today's blocks", "Grouped queries".
 """
 
 from __future__ import annotations

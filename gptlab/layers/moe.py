@@ -27,6 +27,8 @@ The output is the pair (y, aux); the loss adds aux. Backward takes the pair (dy,
 
 so the router learns through the gates of the experts a token reached and through aux's P_e,
 nothing else (the choice itself is piecewise constant).
+
+Book: chapter 18, "Mixture of experts".
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ gradient through rstd, d rstd / dx_j = -rstd**3 * x_j / C.
 
 eps defaults to LLaMA's 1e-6 (Hugging Face's ``rms_norm_eps``; Llama 2 uses 1e-5).
 
-Book: the chapter on today's open-model blocks (issue 14), "RMSNorm".
+Book: chapter 17, "Today's blocks", "RMSNorm".
 """
 
 from __future__ import annotations

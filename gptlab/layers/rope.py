@@ -28,7 +28,7 @@ of ``start`` positions).
 Backward: R(t) is orthogonal, so dx = R(t)^T dy = R(-t) dy, the rotation by -angle: the same
 lines with sin -> -sin.
 
-Book: the chapter on today's open-model blocks (issue 14), "Rotary position embeddings".
+Book: chapter 17, "Today's blocks", "Rotary position embeddings".
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ is piecewise constant in the logits and gets no gradient. Backward, with ``choic
     dselected = (dgates - sum_j dgates * gates) / sum_j selected       (renormalized; else dgates)
     dprobs += sum_j dselected[n, j] * choice[n, j, e]
     dlogits = probs * (dprobs - sum_e probs * dprobs)                   (softmax.py)
+
+Book: chapter 18, "Mixture of experts".
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ sigmoid' = s * (1 - s) the backward is
 The sigmoid is computed from exp(-|x|), which never overflows: for x < 0,
 1 / (1 + exp(-x)) = exp(x) / (1 + exp(x)).
 
-Book: the chapter on today's open-model blocks (issue 14), "SwiGLU".
+Book: chapter 17, "Today's blocks", "SwiGLU".
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Backward: the product rule at h = silu(a) * u sends dh to both factors,
     dh = dy @ w_down^T,  du = dh * silu(a),  da = silu'(a) * (dh * u)
     dx = da @ w_gate^T + du @ w_up^T    (x feeds both projections: the two gradients add)
 
-Book: the chapter on today's open-model blocks (issue 14), "SwiGLU".
+Book: chapter 17, "Today's blocks", "SwiGLU".
 """
 
 from __future__ import annotations
