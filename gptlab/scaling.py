@@ -99,17 +99,17 @@ GPT3_MODELS = (
 )
 
 
-def _positive_int(name: str, value) -> None:
+def require_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _positive_number(name: str, value) -> None:
+def require_positive_number(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
-def _choice(name: str, value, allowed) -> None:
+def require_choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
 
@@ -131,7 +131,7 @@ def params_closed_form(n_layer: int, d_model: int, vocab_size: int = GPT3_VOCAB_
     """12 L d^2 + 13 L d + (V + T) d + 2 d: the module docstring's count, term by term."""
     for name, value in (("n_layer", n_layer), ("d_model", d_model), ("vocab_size", vocab_size),
                         ("block_size", block_size)):
-        _positive_int(name, value)
+        require_positive_int(name, value)
     L, d = n_layer, d_model
     return 12 * L * d * d + 13 * L * d + (vocab_size + block_size) * d + 2 * d
 
@@ -148,7 +148,7 @@ def gpt3_config(name: str) -> GPTConfig:
     The rows whose n_heads * d_head is not d_model (XL: 24 x 128 = 3072 against 2048; 13B:
     40 x 128 = 5120 against 5140) name no consistent split of heads: ValueError."""
     rows = {model.name: model for model in GPT3_MODELS}
-    _choice("name", name, rows)
+    require_choice("name", name, rows)
     model = rows[name]
     if model.n_heads * model.d_head != model.d_model:
         raise ValueError(f"{name}: Table 2.1 gives n_heads * d_head = {model.n_heads} x "
@@ -182,17 +182,17 @@ def flops_per_token(cfg: GPTConfig, *, attention: bool = True) -> int:
 
 def training_flops(n_params: float, n_tokens: float) -> float:
     """C = 6 N D: the training compute of N parameters seeing D tokens."""
-    _positive_number("n_params", n_params)
-    _positive_number("n_tokens", n_tokens)
+    require_positive_number("n_params", n_params)
+    require_positive_number("n_tokens", n_tokens)
     return 6.0 * n_params * n_tokens
 
 
 def training_seconds(flops: float, n_devices: int, peak_flops: float, mfu: float) -> float:
     """Wall time C / (n_devices * peak * MFU) for ``flops`` on ``n_devices`` accelerators of
     ``peak_flops`` FLOP/s each, at model-FLOPs utilisation ``mfu`` in (0, 1]."""
-    _positive_number("flops", flops)
-    _positive_int("n_devices", n_devices)
-    _positive_number("peak_flops", peak_flops)
+    require_positive_number("flops", flops)
+    require_positive_int("n_devices", n_devices)
+    require_positive_number("peak_flops", peak_flops)
     if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu!r}")
     return flops / (n_devices * peak_flops * mfu)
@@ -208,9 +208,9 @@ def zero_memory_per_rank(n_params: int, world_size: int, stage: int, *, param_by
     stage 1 splits the optimizer state, 2 also the gradients, 3 also the parameters. A split
     tensor of n_params values is padded to world_size equal shards of ceil(n_params /
     world_size). Defaults: gptlab's float32 AdamW (K = 8 bytes of m and v)."""
-    _positive_int("n_params", n_params)
-    _positive_int("world_size", world_size)
-    _choice("stage", stage, ZERO_STAGES)
+    require_positive_int("n_params", n_params)
+    require_positive_int("world_size", world_size)
+    require_choice("stage", stage, ZERO_STAGES)
     for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
                         ("optimizer_bytes", optimizer_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -233,8 +233,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_h
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("d_model", d_model),
                         ("n_head", n_head), ("tensor_parallel", tensor_parallel),
                         ("value_bytes", value_bytes)):
-        _positive_int(name, value)
-    _choice("recompute", recompute, RECOMPUTE)
+        require_positive_int(name, value)
+    require_choice("recompute", recompute, RECOMPUTE)
     if n_head % tensor_parallel or d_model % tensor_parallel:
         raise ValueError(f"tensor_parallel={tensor_parallel} must divide n_head={n_head} and "
                          f"d_model={d_model}: each rank takes whole heads and equal columns")
@@ -256,12 +256,12 @@ def memory_per_device(cfg: GPTConfig, *, micro_batch: int, seq_len: int | None =
     optimizer (``zero_memory_per_rank`` of the N / (tp pp) parameters of a model-parallel rank
     over the data-parallel ranks), activations (n_layer layers of ``activation_bytes_per_layer``
     for one micro-batch of ``seq_len`` tokens, default cfg.block_size) and total."""
-    _positive_int("micro_batch", micro_batch)
+    require_positive_int("micro_batch", micro_batch)
     seq_len = cfg.block_size if seq_len is None else seq_len
     for name, value in (("data_parallel", data_parallel), ("tensor_parallel", tensor_parallel),
                         ("pipeline_parallel", pipeline_parallel)):
-        _positive_int(name, value)
-    _choice("precision", precision, PRECISIONS)
+        require_positive_int(name, value)
+    require_choice("precision", precision, PRECISIONS)
     if cfg.n_layer % pipeline_parallel:
         raise ValueError(f"pipeline_parallel={pipeline_parallel} must divide n_layer="
                          f"{cfg.n_layer}: every stage takes the same number of blocks")
@@ -284,7 +284,7 @@ def memory_per_device(cfg: GPTConfig, *, micro_batch: int, seq_len: int | None =
 def chinchilla_optimal(flops: float) -> dict:
     """Hoffmann et al.'s (2022) compute-optimal split of ``flops``: D = 20 N and C = 6 N D give
     N = sqrt(C / 120), D = 20 N."""
-    _positive_number("flops", flops)
+    require_positive_number("flops", flops)
     n_params = math.sqrt(flops / (6 * CHINCHILLA_TOKENS_PER_PARAM))
     return {"n_params": n_params, "n_tokens": CHINCHILLA_TOKENS_PER_PARAM * n_params}
 
