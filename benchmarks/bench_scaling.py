@@ -23,6 +23,7 @@ and ``.md``. About five minutes on two shared cores.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -80,6 +81,8 @@ def run_one(size: tuple, seed: int, iters: int, data: str | None) -> dict:
 
 
 def run(args) -> dict:
+    machine = machine_info(f"{args.jobs} processes at once, one thread each",
+                           torch=torch.__version__)
     jobs = [(size, seed) for size in SIZES for seed in args.seeds]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         runs = list(pool.map(run_one, *zip(*jobs), [args.iters] * len(jobs),
@@ -89,8 +92,8 @@ def run(args) -> dict:
             for size in SIZES]
     gpt3_params = architecture_params(96, 12288)
     gpt3_flops = training_flops(gpt3_params, GPT3_TRAIN_TOKENS)
-    return {"machine": machine_info(f"{args.jobs} processes at once, one thread each",
-                                    torch=torch.__version__),
+    machine["load_average_1min_at_end"] = os.getloadavg()[0]
+    return {"machine": machine,
             "settings": {"iters": args.iters, "batch_size": BATCH_SIZE, "block_size": BLOCK_SIZE,
                          "seeds": args.seeds, "data": args.data or "embedded corpus"},
             "runs": runs, "non_embedding_params": n, "mean_val_loss": loss,
@@ -100,6 +103,10 @@ def run(args) -> dict:
             "gpt3": {"params": gpt3_params, "tokens": GPT3_TRAIN_TOKENS, "flops": gpt3_flops,
                      "chinchilla_tokens_for_its_params": 20 * gpt3_params,
                      "chinchilla_optimal_for_its_flops": chinchilla_optimal(gpt3_flops)}}
+
+
+def _load(value) -> str:
+    return "not recorded" if value is None else f"{value:.1f}"
 
 
 def markdown(res: dict) -> str:
@@ -135,7 +142,9 @@ def markdown(res: dict) -> str:
               f"{max(r['tokens'] / r['non_embedding_params'] for r in res['runs']):.2g} tokens "
               "per parameter.", "",
               f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, load "
-              f"{res['machine']['load_average_1min_at_start']} at start, {res['machine']['note']}; "
+              f"{_load(res['machine']['load_average_1min_at_start'])} at start and "
+              f"{_load(res['machine']['load_average_1min_at_end'])} at the end (other jobs "
+              f"shared the cores), {res['machine']['note']}; "
               f"torch {res['machine']['torch']}, {res['machine']['date']}. Wall time per run: "
               + ", ".join(f"{r['wall_s']:.0f} s" for r in res["runs"]) + ".", ""]
     return "\n".join(lines)
