@@ -27,7 +27,6 @@ import os
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -112,11 +111,13 @@ def _load(value) -> str:
 def markdown(res: dict) -> str:
     fit, fit_e, gpt3 = res["fit"], res["fit_irreducible"], res["gpt3"]
     s = res["settings"]
-    lines = [f"# Scaling sweep: loss against parameters at {s['iters'] * s['batch_size'] * s['block_size']:,} tokens", "",
+    tokens = s["iters"] * s["batch_size"] * s["block_size"]
+    lines = [f"# Scaling sweep: loss against parameters at {tokens:,} tokens", "",
              f"Character-level GPT-2 models on the {s['data']}, {s['iters']} updates of "
              f"{s['batch_size']} x {s['block_size']} tokens, seeds {s['seeds']}; validation loss "
              "(nats per character) on the whole validation split.", "",
-             "| layers | heads | width | params | non-embedding N | 6ND (FLOPs) | val loss (mean) | per seed |",
+             "| layers | heads | width | params | non-embedding N | 6ND (FLOPs) | val loss (mean) "
+             "| per seed |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for i, n in enumerate(res["non_embedding_params"]):
         rows = [r for r in res["runs"] if r["non_embedding_params"] == n]
@@ -131,7 +132,9 @@ def markdown(res: dict) -> str:
               f"L(N) = E + (N_c / N)^alpha: E = {fit_e['e']:.3f}, alpha = {fit_e['alpha']:.3f}, "
               f"N_c = {fit_e['n_c']:.3g}, rms error {fit_e['rmse']:.4f}. Kaplan et al. (2020): "
               f"alpha_N = {res['kaplan_alpha_n']} (BPE tokens of WebText2, models trained to "
-              "convergence).", "",
+              "convergence). The better fit (smaller error, one parameter more): "
+              + ("with the irreducible term." if fit_e["rmse"] < fit["rmse"] else
+                 "the pure power law."), "",
               f"Chinchilla's rule (D = 20 N) against GPT-3: {gpt3['params'] / 1e9:.1f}B "
               f"parameters would want {gpt3['chinchilla_tokens_for_its_params'] / 1e12:.2f}T "
               f"tokens (it saw {gpt3['tokens'] / 1e9:.0f}B); its {gpt3['flops']:.3g} FLOPs "
