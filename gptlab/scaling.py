@@ -87,6 +87,13 @@ class GPT3Model:
     lr: float
 
 
+# Table 2.1 as printed. Two rows are not self-consistent: XL's 24 heads x 128 = 3072 is not its
+# d_model 2048, and 13B's 40 x 128 = 5120 is not its 5140 (which reproduces the printed 13.0B
+# better). The recipe shared by all eight (Brown et al. 2020, Appendix B), where the GPT-3
+# summary card differs: weight decay 0.1 (the card: 0.01); a linear warmup over 375M tokens,
+# then cosine decay to 10% of the peak over 260B tokens (the card: inverse square root); every
+# sequence the full 2048 tokens, documents packed (the card: random lengths); tensor and
+# pipeline model parallelism (the card: ZeRO-3, which the paper does not mention).
 GPT3_MODELS = (
     GPT3Model("GPT-3 Small", 125e6, 12, 768, 12, 64, 0.5e6, 6.0e-4),
     GPT3Model("GPT-3 Medium", 350e6, 24, 1024, 16, 64, 0.5e6, 3.0e-4),
