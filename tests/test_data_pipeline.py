@@ -44,6 +44,7 @@ from gptlab.data_pipeline import (
     hashed_features,
     jaccard,
     keep_probability,
+    match_precision_recall,
     mix_sources,
     mixture_epochs,
     normalize,
@@ -204,6 +205,8 @@ def test_precision_recall_and_true_pairs():
     assert true_pairs(cluster) == 3 + 1
     assert precision_recall([(0, 1), (4, 5), (2, 3)], cluster) == (2 / 3, 2 / 4)
     assert precision_recall([], cluster) == (1.0, 0.0)
+    # drop 1 as a copy of 0 (right), 3 as a copy of 2 (wrong), keep the rest: 3 drops were due
+    assert match_precision_recall([None, 0, None, 2, None, None], cluster) == (1 / 2, 1 / 3)
 
 
 def test_near_dedup_finds_every_planted_copy_and_nothing_else(vocabulary):

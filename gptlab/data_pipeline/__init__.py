@@ -17,6 +17,7 @@ from .dedup import (
     estimate_jaccard,
     exact_duplicates,
     jaccard,
+    match_precision_recall,
     precision_recall,
     shingles,
     true_pairs,

@@ -170,3 +170,13 @@ def precision_recall(pairs: Iterable[tuple[int, int]], cluster: Sequence[int]) -
     hits = sum(cluster[i] == cluster[j] for i, j in pairs)
     n_true = true_pairs(cluster)
     return (hits / len(pairs) if pairs else 1.0), (hits / n_true if n_true else 1.0)
+
+
+def match_precision_recall(matches: Sequence[int | None], cluster: Sequence[int]) -> tuple[float, float]:
+    """(precision, recall) of a deduplication that drops document i as a copy of document
+    ``matches[i]`` (None: kept). A drop is right when the two share a cluster label; a perfect
+    deduplication keeps one document per cluster, so it makes N - (number of clusters) drops."""
+    drops = [(i, j) for i, j in enumerate(matches) if j is not None]
+    right = sum(cluster[i] == cluster[j] for i, j in drops)
+    should = len(cluster) - len(np.unique(np.asarray(cluster)))
+    return (right / len(drops) if drops else 1.0), (right / should if should else 1.0)
