@@ -108,6 +108,9 @@ def test_exact_duplicates_find_copies_that_differ_only_in_formatting(vocabulary)
     corpus = plant_near_duplicates(base, 10, 2, 0.0, vocabulary, seed=2)
     matches = exact_duplicates(corpus.documents)
     assert len(set(corpus.documents)) == len(corpus.documents), "copies differ before normalising"
+    assert corpus.is_copy.sum() == 20 and not corpus.edits.any()
+    originals = np.flatnonzero(~corpus.is_copy)
+    assert [corpus.documents[i] for i in originals[np.argsort(corpus.cluster[originals])]] == base
     for i, j in enumerate(matches):
         earlier = [k for k in range(i) if corpus.cluster[k] == corpus.cluster[i]]
         assert j == (earlier[0] if earlier else None)

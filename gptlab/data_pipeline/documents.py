@@ -150,12 +150,14 @@ def _decode(raw: bytes, report: PipelineReport) -> str | None:
 
 @dataclass
 class PlantedCorpus:
-    """Documents with planted near-duplicates: ``cluster[i]`` is the index of the original that
-    document i was made from (its own index for an original), ``edits[i]`` how many word edits
-    made it (0 for an original). Documents are shuffled, so a copy may come before its original."""
+    """Documents with planted near-duplicates: ``cluster[i]`` is the index, among the documents
+    given, of the original that document i is or was made from; ``is_copy[i]`` says whether it is
+    a copy, and ``edits[i]`` how many word edits made it (0 for an original and for a copy whose
+    formatting alone changed). Documents are shuffled, so a copy may come before its original."""
 
     documents: list[str]
     cluster: np.ndarray  # (N,) int64
+    is_copy: np.ndarray  # (N,) bool
     edits: np.ndarray  # (N,) int64
 
 
@@ -219,7 +221,8 @@ def plant_near_duplicates(documents: Sequence[str], n_originals: int, copies: in
             cluster.append(i)
             edits.append(n)
     order = rng.permutation(len(docs))  # (N,)
-    return PlantedCorpus([docs[k] for k in order], np.asarray(cluster)[order],
+    is_copy = np.arange(len(docs)) >= len(documents)  # (N,) before the shuffle
+    return PlantedCorpus([docs[k] for k in order], np.asarray(cluster)[order], is_copy[order],
                          np.asarray(edits)[order])  # fmt: skip
 
 
