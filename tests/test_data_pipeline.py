@@ -265,7 +265,8 @@ def test_bad_input_is_skipped_and_counted(tmp_path):
                                max_document_bytes=50, report=report))  # fmt: skip
     assert docs == ["first doc", "second doc", "fine text", "last"]
     assert (report.files_read, report.files_unreadable) == (2, 2)
-    assert (report.documents_not_utf8, report.documents_empty, report.documents_too_long) == (2, 1, 1)
+    skipped = (report.documents_not_utf8, report.documents_empty, report.documents_too_long)
+    assert skipped == (2, 1, 1)
     assert "missing.txt" in report.unreadable[0] and len(report.unreadable) == 2
 
 
@@ -406,6 +407,8 @@ def test_mixture_arguments_are_checked(tmp_path):
         next(mix_sources({"a": [[1]]}, {"b": 1.0}, 10))
     with pytest.raises(ValueError, match="weights must be positive"):
         next(mix_sources({"a": [[1]]}, {"a": 0.0}, 10))
+    with pytest.raises(ValueError, match="total_tokens must be a positive integer"):
+        next(mix_sources({"a": [[1]]}, {"a": 1.0}, 0))
     with pytest.raises(ValueError, match="source 'a' gave no tokens"):
         list(mix_sources({"a": [[]]}, {"a": 1.0}, 10))
     with pytest.raises(ValueError, match="source 'a' gave no tokens"):

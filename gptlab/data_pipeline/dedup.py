@@ -162,7 +162,8 @@ def true_pairs(cluster: Sequence[int]) -> int:
     return int(np.sum(counts * (counts - 1) // 2))
 
 
-def precision_recall(pairs: Iterable[tuple[int, int]], cluster: Sequence[int]) -> tuple[float, float]:
+def precision_recall(pairs: Iterable[tuple[int, int]],
+                     cluster: Sequence[int]) -> tuple[float, float]:
     """Pair-level (precision, recall) of predicted duplicate ``pairs`` against the ground truth
     ``cluster`` (documents i, j are duplicates iff cluster[i] == cluster[j]). Precision of no
     pairs is 1.0, recall with no true pairs is 1.0."""
@@ -172,7 +173,8 @@ def precision_recall(pairs: Iterable[tuple[int, int]], cluster: Sequence[int]) -
     return (hits / len(pairs) if pairs else 1.0), (hits / n_true if n_true else 1.0)
 
 
-def match_precision_recall(matches: Sequence[int | None], cluster: Sequence[int]) -> tuple[float, float]:
+def match_precision_recall(matches: Sequence[int | None],
+                           cluster: Sequence[int]) -> tuple[float, float]:
     """(precision, recall) of a deduplication that drops document i as a copy of document
     ``matches[i]`` (None: kept). A drop is right when the two share a cluster label; a perfect
     deduplication keeps one document per cluster, so it makes N - (number of clusters) drops."""

@@ -9,7 +9,6 @@ bucket from one run to the next. ``stable_hash`` is the first 8 bytes of BLAKE2b
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import os
 import re
@@ -132,7 +131,7 @@ def _split_stream(file, sep: bytes, chunk_bytes: int, max_document_bytes: int,
 def _decode(raw: bytes, report: PipelineReport) -> str | None:
     """UTF-8 text, or None (counted) for bytes that are not UTF-8 text or only whitespace."""
     try:
-        text = codecs.decode(raw, "utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         text = None
     if text is None or "\x00" in text:

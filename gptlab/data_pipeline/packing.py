@@ -67,6 +67,9 @@ def mix_sources(sources: Mapping[str, Iterable[Sequence[int]]], weights: Mapping
     iterable (a file reader) in its own order, so it must be iterable again. Token shares match
     the weights to within one document."""
     _check_weights(sources, weights)
+    if isinstance(total_tokens, bool) or not isinstance(total_tokens, (int, np.integer)) \
+            or total_tokens < 1:
+        raise ValueError(f"total_tokens must be a positive integer, got {total_tokens!r}")
     rng = np.random.default_rng(seed)
     streams = {name: _epochs(src, rng, name) for name, src in sources.items()}
     taken = dict.fromkeys(sources, 0)

@@ -34,9 +34,10 @@ class DedupSettings:
 
 
 def filter_documents(documents: Iterable[str], *, classifier: QualityClassifier | None = None,
-                     alpha: float = GPT3_PARETO_ALPHA, dedup: DedupSettings | None = DedupSettings(),
-                     seed: int = 0, report: PipelineReport | None = None,
-                     progress: bool = False) -> Iterator[str]:
+                     alpha: float = GPT3_PARETO_ALPHA,
+                     dedup: DedupSettings | None = DedupSettings(), seed: int = 0,
+                     report: PipelineReport | None = None, progress: bool = False,
+                     ) -> Iterator[str]:  # fmt: skip
     """The documents that survive, in order, streamed: with a ``classifier``, those that pass
     Pareto sampling (``rng.pareto(alpha) > 1 - score``, ``rng`` seeded with ``seed``); then those
     whose normalised text was not seen before; then (unless ``dedup`` is None) those with no
