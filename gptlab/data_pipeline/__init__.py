@@ -5,7 +5,7 @@ deduplication, a weighted mixture of sources, and packing into full rows with an
 and an optional document-aware attention mask. Book: chapter 20.
 
 Modules, importing downwards only: ``documents`` <- ``dedup`` <- ``quality`` <- ``pipeline``;
-``packing`` (mixture, tokenization, packing, masks) stands alone.
+``packing`` (mixture, tokenization, packing, masks) needs only ``documents``.
 """
 
 from .dedup import (

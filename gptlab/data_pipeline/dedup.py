@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .documents import normalize, stable_hash
+from .documents import normalize, require_positive_int, stable_hash
 
 PRIME = (1 << 31) - 1  # the Mersenne prime 2^31 - 1: a * x + b < 2^62 fits in int64
 
@@ -39,8 +39,7 @@ def shingles(text: str, n: int = 5, unit: str = "word") -> set[str]:
     one space), ``"char"`` n consecutive characters. A text shorter than n is one shingle."""
     if unit not in ("word", "char"):
         raise ValueError(f"unit must be 'word' or 'char', got {unit!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
+    require_positive_int("n", n)
     text = normalize(text)
     if unit == "char":
         return {text[i : i + n] for i in range(max(len(text) - n + 1, 1))}
@@ -58,8 +57,7 @@ class MinHasher:
     """k = ``num_perm`` hash functions h_i(x) = (a_i x + b_i) mod p, drawn with ``seed``."""
 
     def __init__(self, num_perm: int = 128, seed: int = 0):
-        if isinstance(num_perm, bool) or not isinstance(num_perm, int) or num_perm < 1:
-            raise ValueError(f"num_perm must be a positive integer, got {num_perm!r}")
+        require_positive_int("num_perm", num_perm)
         rng = np.random.default_rng(seed)
         self.num_perm = num_perm
         self.a = rng.integers(1, PRIME, size=num_perm, dtype=np.int64)  # (k,)
@@ -92,9 +90,8 @@ def candidate_probability(s, bands: int, rows: int):
 
 
 def _check_banding(num_perm: int, bands: int, rows: int) -> None:
-    for name, value in (("bands", bands), ("rows", rows)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    require_positive_int("bands", bands)
+    require_positive_int("rows", rows)
     if bands * rows > num_perm:
         raise ValueError(f"bands * rows = {bands} * {rows} = {bands * rows} exceeds the "
                          f"signature length {num_perm}")  # fmt: skip

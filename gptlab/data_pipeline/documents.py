@@ -63,7 +63,8 @@ class PipelineReport:
         return self.documents_not_utf8 + self.documents_empty + self.documents_too_long
 
 
-def _require_positive_int(name: str, value) -> None:
+def require_positive_int(name: str, value) -> None:
+    """ValueError naming ``name`` unless ``value`` is an integer >= 1 (a bool is not)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
@@ -83,8 +84,8 @@ def read_documents(paths: Iterable, *, separator: str = "\n\n\n", chunk_bytes: i
     """
     if not isinstance(separator, str) or not separator:
         raise ValueError(f"separator must be a non-empty string, got {separator!r}")
-    _require_positive_int("chunk_bytes", chunk_bytes)
-    _require_positive_int("max_document_bytes", max_document_bytes)
+    require_positive_int("chunk_bytes", chunk_bytes)
+    require_positive_int("max_document_bytes", max_document_bytes)
     paths = [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
     report = PipelineReport() if report is None else report
     sep = separator.encode("utf-8")  # UTF-8 never has these bytes inside another character
@@ -164,8 +165,8 @@ def synthetic_documents(n_documents: int, words_per_document: int, vocabulary: S
                         seed: int = 0) -> list[str]:
     """``n_documents`` documents of ``words_per_document`` words drawn from ``vocabulary`` with
     Zipf-like frequencies (the k-th word with probability proportional to 1/k), as in text."""
-    _require_positive_int("n_documents", n_documents)
-    _require_positive_int("words_per_document", words_per_document)
+    require_positive_int("n_documents", n_documents)
+    require_positive_int("words_per_document", words_per_document)
     if len(vocabulary) < 2:
         raise ValueError(f"vocabulary needs at least 2 words, got {len(vocabulary)}")
     rng = np.random.default_rng(seed)
@@ -186,13 +187,14 @@ def edit_words(text: str, n_edits: int, vocabulary: Sequence[str], rng: np.rando
     positions = set(rng.choice(len(words), size=n_edits, replace=False).tolist())
     edited = []
     for k, word in enumerate(words):
-        kind = rng.integers(3) if k in positions else -1
-        if kind == 0:  # substitute
-            edited.append(vocabulary[rng.integers(len(vocabulary))])
-        elif kind == 2:  # insert a word before this one
-            edited += [vocabulary[rng.integers(len(vocabulary))], word]
-        elif kind == -1:  # keep (kind 1 deletes)
+        if k not in positions:
             edited.append(word)
+            continue
+        kind = rng.integers(3)  # 0: substitute, 1: delete, 2: insert a word before this one
+        if kind == 0:
+            edited.append(vocabulary[rng.integers(len(vocabulary))])
+        elif kind == 2:
+            edited += [vocabulary[rng.integers(len(vocabulary))], word]
     styled = [w.capitalize() if rng.random() < 0.1 else w for w in edited]
     gaps = rng.choice([" ", "  ", "\n"], size=max(len(styled) - 1, 0), p=[0.9, 0.05, 0.05])
     return "".join(w + g for w, g in zip(styled, [*gaps, ""]))
@@ -204,7 +206,7 @@ def plant_near_duplicates(documents: Sequence[str], n_originals: int, copies: in
     """``documents`` plus ``copies`` edited copies of each of ``n_originals`` of them (chosen at
     random): copy c of a document of n words gets round(f * n) word edits (``edit_words``), f the
     ``edit_fraction`` (or the c-th of a list of them). The result is shuffled with ``seed``."""
-    _require_positive_int("copies", copies)
+    require_positive_int("copies", copies)
     if not 0 <= n_originals <= len(documents):
         raise ValueError(f"n_originals must be in [0, {len(documents)}], got {n_originals}")
     fractions = [edit_fraction] * copies if np.ndim(edit_fraction) == 0 else list(edit_fraction)

@@ -26,6 +26,7 @@ from ..backend import array_device, array_namespace
 from ..bpe import ENDOFTEXT
 from ..checks import require_int, require_ndim_at_least
 from ..tokenizer_base import Tokenizer
+from .documents import require_positive_int
 
 # Brown et al. (2020), Table 2.2: tokens, weight in the training mix, epochs in 300B tokens
 GPT3_TRAINING_TOKENS = 300e9
@@ -67,9 +68,7 @@ def mix_sources(sources: Mapping[str, Iterable[Sequence[int]]], weights: Mapping
     iterable (a file reader) in its own order, so it must be iterable again. Token shares match
     the weights to within one document."""
     _check_weights(sources, weights)
-    if isinstance(total_tokens, bool) or not isinstance(total_tokens, (int, np.integer)) \
-            or total_tokens < 1:
-        raise ValueError(f"total_tokens must be a positive integer, got {total_tokens!r}")
+    require_positive_int("total_tokens", total_tokens)
     rng = np.random.default_rng(seed)
     streams = {name: _epochs(src, rng, name) for name, src in sources.items()}
     taken = dict.fromkeys(sources, 0)
@@ -115,8 +114,7 @@ def pack_documents(documents: Iterable[Sequence[int]], row_len: int,
     """Rows (row_len,) int64 of the stream doc_0, eot, doc_1, eot, ...: every row full, a
     document cut wherever a row ends and continued in the next. The tokens after the last full
     row (fewer than ``row_len``) are dropped. Memory: one row plus one document."""
-    if isinstance(row_len, bool) or not isinstance(row_len, int) or row_len < 1:
-        raise ValueError(f"row_len must be a positive integer, got {row_len!r}")
+    require_positive_int("row_len", row_len)
     if isinstance(eot_id, bool) or not isinstance(eot_id, (int, np.integer)) or eot_id < 0:
         raise ValueError(f"eot_id must be a non-negative integer token id, got {eot_id!r}")
     row = np.empty(row_len, dtype=np.int64)  # (row_len,)

@@ -27,7 +27,7 @@ import numpy as np
 from ..backend import array_namespace
 from ..layers.linear import linear_backward, linear_forward
 from ..layers.logistic import logistic_backward, logistic_forward
-from .documents import normalize, stable_hash
+from .documents import normalize, require_positive_int, stable_hash
 
 GPT3_PARETO_ALPHA = 9.0
 
@@ -36,8 +36,7 @@ def hashed_features(texts: Iterable[str], n_features: int = 4096,
                     ngrams: Sequence[int] = (1, 2)) -> np.ndarray:
     """(N, n_features) float64: per text, the counts of its word n-grams (for each n in
     ``ngrams``) in the buckets stable_hash(n-gram) mod n_features, scaled to unit L2 norm."""
-    if isinstance(n_features, bool) or not isinstance(n_features, int) or n_features < 1:
-        raise ValueError(f"n_features must be a positive integer, got {n_features!r}")
+    require_positive_int("n_features", n_features)
     if not ngrams or not all(isinstance(n, int) and n >= 1 for n in ngrams):
         raise ValueError(f"ngrams must be positive n-gram lengths such as (1, 2), got {ngrams!r}")
     rows = []
