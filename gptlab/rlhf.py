@@ -109,8 +109,9 @@ class ToyTask:
     def decode(self, seqs) -> list[tuple[str, str]]:
         """seqs (N, P + L) -> (prompt, completion) texts."""
         seqs = to_numpy(seqs)
-        return [(self.tokenizer.decode(row[: self.prompt_len].tolist()),
-                 self.tokenizer.decode(row[self.prompt_len :].tolist())) for row in seqs]  # fmt: skip
+        decode = self.tokenizer.decode
+        return [(decode(row[: self.prompt_len].tolist()), decode(row[self.prompt_len :].tolist()))
+                for row in seqs]
 
 
 def policy_config(task: ToyTask, n_layer: int = 2, n_head: int = 2, n_embd: int = 32) -> GPTConfig:
@@ -292,8 +293,9 @@ def completion_logprobs_backward(dlogp, cache, dvalues=None) -> dict:
 
 def sequence_logprobs(params: dict, seqs, *, cfg: GPTConfig, prompt_len: int) -> np.ndarray:
     """seqs (N, P + L) -> log pi(completion | prompt) (N,) as NumPy, no gradient."""
-    logp, _ = completion_logprobs_forward(_gpt_part(params, cfg), _ids_like(seqs, params["wte.weight"]),
-                                          cfg=cfg, prompt_len=prompt_len)  # fmt: skip
+    idx = _ids_like(seqs, params["wte.weight"])  # (N, P + L)
+    logp, _ = completion_logprobs_forward(_gpt_part(params, cfg), idx, cfg=cfg,
+                                          prompt_len=prompt_len)  # (N, L)
     return np.sum(to_numpy(logp), axis=-1)
 
 

@@ -254,7 +254,7 @@ def _with_random_head(name, seed):
 
 
 def test_gpt_backward_takes_the_gradient_at_the_final_hidden_states():
-    """gpt_backward(cache, dlogits, dxf) is the gradient of sum(logits * dlogits) + sum(xf * dxf)."""
+    """gpt_backward(cache, dlogits, dxf): the gradient of sum(logits * dlogits) + sum(xf * dxf)."""
     rng = np.random.default_rng(8)
     idx = rng.integers(0, CFG.vocab_size, (2, 5))
     dlogits, dxf = rng.standard_normal((2, 5, CFG.vocab_size)), rng.standard_normal((2, 5, 8))
@@ -306,7 +306,7 @@ def test_dpo_loss_gradient_matches_autograd():
     chosen, rejected = _seqs(rng), _seqs(rng)
     ref_c, ref_r = -3 - rng.random(N), -3 - rng.random(N)
     result = check_layer(rlhf.dpo_loss_forward, rlhf.dpo_loss_backward, params, chosen, rejected,
-                         ref_c, ref_r, oracle="autograd", cfg=CFG, prompt_len=P, beta=0.5)  # fmt: skip
+                         ref_c, ref_r, oracle="autograd", cfg=CFG, prompt_len=P, beta=0.5)
     result.assert_ok(1e-10)
 
 

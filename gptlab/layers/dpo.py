@@ -3,7 +3,8 @@ policy's implicit reward, no reward model and no sampling.
 
     r(y) = beta * (logpi(y) - logpi_ref(y))                    the implicit reward (N,)
     loss = bradley_terry(r(y_w), r(y_l))
-         = mean_n -log sigmoid(beta * ((logpi(y_w) - logpi_ref(y_w)) - (logpi(y_l) - logpi_ref(y_l))))
+         = mean_n -log sigmoid(beta * ((logpi(y_w) - logpi_ref(y_w))
+                                      - (logpi(y_l) - logpi_ref(y_l))))
 
 logpi(y) is a whole answer's log-probability (the sum of ``token_logprobs`` over its tokens).
 Backward through the two lines: with (dr_w, dr_l) from ``bradley_terry_backward``,
