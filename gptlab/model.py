@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from .backend import array_namespace, convert
+from .backend import array_device, array_namespace, convert
 from .checks import require_float, require_ids_in_range, require_int
 from .config import GPTConfig
 from .layers.block import (
@@ -202,14 +202,20 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
     return logits, loss, cache
 
 
-def gpt_backward(cache, dlogits=None) -> dict:
-    """Gradients of the loss (or of sum(logits * dlogits)) for every parameter, by name.
+def gpt_backward(cache, dlogits=None, dxf=None) -> dict:
+    """Gradients of the loss (or of sum(logits * dlogits) + sum(xf * dxf)) for every parameter.
 
-    Without ``dlogits`` the forward must have been given targets: the backward starts from
-    dloss = 1 (which reaches every block's load-balancing loss too, daux = 1).
+    Without ``dlogits`` and ``dxf`` the forward must have been given targets: the backward starts
+    from dloss = 1 (which reaches every block's load-balancing loss too, daux = 1). ``dxf``
+    (B, T, C) is the gradient arriving at the final hidden states ``cache["xf"]`` from a head of
+    the caller's own (a reward or value head); alone, it stands for dlogits = 0.
     """
     cfg = cache["cfg"]
-    daux = 0.0 if dlogits is not None else 1.0  # loss = cross_entropy + sum of the blocks' aux
+    daux = 1.0 if dlogits is None and dxf is None else 0.0  # loss = cross_entropy + sum of the blocks' aux
+    if dlogits is None and dxf is not None:
+        xp = array_namespace(dxf)
+        dlogits = xp.zeros((*dxf.shape[:-1], cache["head"].shape[1]), dtype=dxf.dtype,
+                           device=array_device(dxf))  # (B, T, V) no loss on the logits
     if dlogits is None:
         if "loss" not in cache:
             raise ValueError("gpt_backward needs the forward to have computed a loss (pass "
@@ -220,7 +226,7 @@ def gpt_backward(cache, dlogits=None) -> dict:
     xf, head = cache["xf"], cache["head"]
     C, V = head.shape
     # logits = xf @ head
-    dxf = dlogits @ head.mT  # (B, T, C)
+    dxf = dlogits @ head.mT if dxf is None else dlogits @ head.mT + dxf  # (B, T, C)
     if cfg.tie_embeddings:  # head = wte^T: the head's share of dwte
         dwte_head = xp.reshape(dlogits, (-1, V)).mT @ xp.reshape(xf, (-1, C))  # (V, C)
     else:
