@@ -40,7 +40,9 @@ class ParallelMode(Protocol):
     like ``params``). ``grad_norm(grads)``: the global gradient norm, equal on every rank.
     ``full_params()``: every parameter whole, on every rank. ``shard(full)``: this rank's part of
     full tensors named like ``params`` (the layout of ``params`` and of the optimizer's moments),
-    used to resume from a checkpoint written at any world size or by any mode.
+    used to resume from a checkpoint written at any world size or by any mode;
+    ``unshard(local)``: its inverse, every rank's parts gathered into full tensors on every rank
+    (a collective), used to write checkpoints of the parameters and the optimizer's moments.
     """
 
     params: dict
@@ -53,8 +55,27 @@ class ParallelMode(Protocol):
 
     def shard(self, full: dict) -> dict: ...
 
+    def unshard(self, local: dict) -> dict: ...
 
-class Single:
+
+class Replicated:
+    """A mode whose every rank holds the whole model: shards are the full tensors."""
+
+    def grad_norm(self, grads: dict) -> float:
+        """The gradients are whole (and, across data-parallel ranks, equal): the local norm."""
+        return global_norm(grads)
+
+    def full_params(self) -> dict:
+        return dict(self.params)
+
+    def shard(self, full: dict) -> dict:
+        return dict(full)
+
+    def unshard(self, local: dict) -> dict:
+        return dict(local)
+
+
+class Single(Replicated):
     """One process: the reference the parallel modes are checked against (same contract).
 
     ``accum_steps`` splits the batch into that many micro-batches whose gradients are summed
@@ -76,14 +97,6 @@ class Single:
             return total, grads
         return total / self.accum_steps, {n: g / self.accum_steps for n, g in grads.items()}
 
-    def grad_norm(self, grads: dict) -> float:
-        return global_norm(grads)
-
-    def full_params(self) -> dict:
-        return dict(self.params)
-
-    def shard(self, full: dict) -> dict:
-        return dict(full)
 
 
 def clipped_grads(mode, idx, targets, grad_clip: float = 0.0, **options):
@@ -198,6 +211,6 @@ def require_torch_params(params: dict, cfg: GPTConfig) -> None:
                         f"{type(params['wte.weight']).__name__}: use backend='torch'")
 
 
-__all__ = ["ParallelMode", "Single", "clipped_grads", "rank_and_world", "micro_batches", "rows_per_rank",
+__all__ = ["ParallelMode", "Replicated", "Single", "clipped_grads", "rank_and_world", "micro_batches", "rows_per_rank",
            "pad_rows", "take_rows", "all_reduce_sum", "sharded_norm", "tensor_bytes",
            "config_fingerprint", "check_same_config", "require_torch_params"]

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from ..config import GPTConfig
 from ..model import backward_parts, gpt_forward
-from ..schedule import global_norm
 from .base import (
+    Replicated,
     all_reduce_sum,
     check_same_config,
     micro_batches,
@@ -44,7 +44,7 @@ def unflatten(flat, like: list) -> list:
     return [piece.view(t.shape) for piece, t in zip(torch.split(flat, sizes), like)]
 
 
-class DataParallel:
+class DataParallel(Replicated):
     """Data parallel training of the hand-written model (the contract is in ``base.py``).
 
     params: the full initial parameters (torch), identical on every rank; group: the process
@@ -109,16 +109,6 @@ class DataParallel:
         grads = {name: local_grads[name] for name in self.params}
         self.held_grad_bytes = tensor_bytes(grads)
         return grads
-
-    def grad_norm(self, grads: dict) -> float:
-        """Every rank holds the same averaged gradients, so the local norm is the global one."""
-        return global_norm(grads)
-
-    def full_params(self) -> dict:
-        return dict(self.params)
-
-    def shard(self, full: dict) -> dict:
-        return dict(full)
 
     def held_params(self) -> dict:
         """The parameter tensors this rank keeps between steps."""

@@ -102,16 +102,22 @@ class ZeRO(DataParallel):
 
     def full_params(self) -> dict:
         if self.stage == 3:
-            return self.gather(list(self.shapes))
+            return self.unshard(self._params)
         return {name: t.clone() for name, t in self.forward_params().items()}
 
-    def gather(self, names: list) -> dict:
-        """The full tensors ``names``, all-gathered from every rank's rows (one collective)."""
-        local = flatten([self._params[name] for name in names])  # (S,)
-        buffer = local.new_empty(self.world_size * local.numel())  # (W S,)
-        dist.all_gather_single(buffer, local, group=self.group)
+    def unshard(self, local: dict) -> dict:
+        """The full tensors of every rank's rows ``local`` (named like ``params``), all-gathered
+        in one collective; every rank gets them."""
+        names = list(local)
+        flat = flatten([local[name] for name in names])  # (S,)
+        buffer = flat.new_empty(self.world_size * flat.numel())  # (W S,)
+        dist.all_gather_single(buffer, flat, group=self.group)
         buffer = buffer.view(self.world_size, -1)  # (W, S)
         return dict(zip(names, from_rank_major(buffer, [self.shapes[n] for n in names])))
+
+    def gather(self, names: list) -> dict:
+        """The full parameters ``names`` (stage 3 runs each part on them, then drops them)."""
+        return self.unshard({name: self._params[name] for name in names})
 
     # --- gradients ----------------------------------------------------------------------------
 
