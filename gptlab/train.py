@@ -346,7 +346,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     applied, so the last checkpoint on disk stays the last good one.
     """
     if cfg.parallel != "none" and not under_launcher():
-        return launch(_train_rank, cfg.nproc, asdict(cfg), progress, threads=cfg.threads or 1)[0]
+        return launch(_train_rank, cfg.nproc, asdict(cfg), progress, threads=cfg.threads or 1,
+                      device=cfg.device)[0]
     if cfg.threads is None:
         return _train(cfg, progress)
     import torch

@@ -156,9 +156,10 @@ def take_rows(x, rank: int, world_size: int):
     return pad_rows(x, world_size)[rank * k:(rank + 1) * k].clone()  # (k, ...)
 
 
-def all_reduce_sum(value: float, group=None) -> float:
-    """The sum of a Python float over the ranks, in float64 (identical on every rank)."""
-    t = torch.tensor([value], dtype=torch.float64)
+def all_reduce_sum(value: float, group=None, device=None) -> float:
+    """The sum of a Python float over the ranks, in float64 (identical on every rank);
+    ``device``: where the process group's backend moves tensors (a GPU for NCCL)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
     return float(t[0])
 
@@ -166,7 +167,8 @@ def all_reduce_sum(value: float, group=None) -> float:
 def sharded_norm(local_grads: dict, group=None) -> float:
     """‖g‖ of a gradient whose disjoint parts (zero padding allowed) live on the ranks."""
     local = sum(float(torch.sum(g * g)) for g in local_grads.values())
-    return math.sqrt(all_reduce_sum(local, group))
+    device = next(iter(local_grads.values())).device
+    return math.sqrt(all_reduce_sum(local, group, device))
 
 
 def tensor_bytes(tensors) -> int:

@@ -79,7 +79,8 @@ class DataParallel(Replicated):
             for part in parts:
                 self.bucket_ready(part, local_grads, last=step == len(batches) - 1)
         grads = self.finish(local_grads)
-        return all_reduce_sum(total, self.group) / (self.world_size * self.accum_steps), grads
+        total = all_reduce_sum(total, self.group, idx.device)
+        return total / (self.world_size * self.accum_steps), grads
 
     def forward_backward(self, x, y, dropout_seed):
         """(loss of one micro-batch as a float, the generator of its gradients part by part)."""

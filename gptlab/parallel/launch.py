@@ -60,11 +60,11 @@ def init_process_group(timeout_s: float = COLLECTIVE_TIMEOUT_S, device: str | No
 
 
 @record
-def _worker(fn, args, threads: int | None, timeout_s: float):
+def _worker(fn, args, threads: int | None, timeout_s: float, device: str | None):
     """The body of every spawned rank: threads, process group, fn(*args), clean exit."""
     if threads is not None:
         torch.set_num_threads(threads)
-    init_process_group(timeout_s)
+    init_process_group(timeout_s, device)
     try:
         return fn(*args)
     finally:
@@ -72,11 +72,12 @@ def _worker(fn, args, threads: int | None, timeout_s: float):
 
 
 def launch(fn, nproc: int, *args, threads: int | None = 1, timeout_s: float = COLLECTIVE_TIMEOUT_S,
-           monitor_interval: float = 0.1) -> list:
+           monitor_interval: float = 0.1, device: str | None = None) -> list:
     """Run ``fn(*args)`` on ``nproc`` ranks of this machine (127.0.0.1); returns the ranks'
     results in rank order. ``fn`` must be importable (a module-level function); each rank has
-    the default process group open (gloo) and ``threads`` torch threads (1 lets 4 ranks share
-    2 cores). Raises LaunchFailed (with the failing rank's error) when a rank fails or dies."""
+    the default process group open (gloo; NCCL with ``device="cuda"``, a GPU per rank) and
+    ``threads`` torch threads (1 lets 4 ranks share 2 cores). Raises LaunchFailed (with the
+    failing rank's error) when a rank fails or dies."""
     if not (isinstance(nproc, int) and nproc >= 1):
         raise ValueError(f"nproc must be an integer >= 1, got {nproc!r}")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
@@ -84,7 +85,7 @@ def launch(fn, nproc: int, *args, threads: int | None = 1, timeout_s: float = CO
                           rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                           monitor_interval=monitor_interval, start_method="spawn")
     try:
-        results = elastic_launch(config, _worker)(fn, args, threads, timeout_s)
+        results = elastic_launch(config, _worker)(fn, args, threads, timeout_s, device)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         raise LaunchFailed(f"rank {rank} of {nproc} failed, so the run was stopped: "
