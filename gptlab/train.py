@@ -240,7 +240,8 @@ def dropout_seed(seed: int, step: int) -> int:
 
 
 def _loss_functions(cfg: TrainConfig, model_cfg: GPTConfig):
-    """(loss_and_grads(params, x, y, dropout_seed) -> (float, grads), loss(params, x, y) -> float)."""
+    """(loss_and_grads(params, x, y, dropout_seed) -> (float, grads),
+    loss(params, x, y) -> float)."""
     if cfg.backend != "autograd":
         def train_loss(params, x, y, seed):
             return loss_and_grads(params, x, y, model_cfg, dropout_seed=seed)
@@ -337,8 +338,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     """Train (or, with ``cfg.resume``, continue) a GPT as ``cfg`` says; see the module docstring.
     With ``cfg.threads``, torch runs on that many CPU threads, and on its previous count after.
 
-    A parallel run (``cfg.parallel``) starts ``cfg.nproc`` processes with torch's elastic launcher (one thread each unless ``cfg.threads``) and returns rank 0's result;
-    under torchrun (or inside such a process) this process is one rank: it opens the process group
+    A parallel run (``cfg.parallel``) starts ``cfg.nproc`` processes with torch's elastic
+    launcher (one thread each unless ``cfg.threads``) and returns rank 0's result; under torchrun (or inside such a process) this process is one rank: it opens the process group
     and returns its result on rank 0, None on the others. Rank 0 alone writes the log and shows
     progress; every rank writes its shard of the checkpoints (``gptlab.parallel.checkpoint``).
 

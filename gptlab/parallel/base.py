@@ -87,16 +87,20 @@ class Single(Replicated):
 
     def loss_and_grads(self, idx, targets, *, dropout_seed=None):
         total, grads = 0.0, {}
-        for x, y in micro_batches(idx, targets, 0, 1, self.accum_steps):
-            loss, micro_grads = loss_and_grads(self.params, x, y, self.cfg,
-                                               dropout_seed=dropout_seed)
+        for step, (x, y) in enumerate(micro_batches(idx, targets, 0, 1, self.accum_steps)):
+            seed = None if dropout_seed is None else dropout_seed + step
+            loss, micro_grads = loss_and_grads(self.params, x, y, self.cfg, dropout_seed=seed)
             total += loss
-            for name, g in micro_grads.items():
-                grads[name] = grads[name] + g if name in grads else g
+            accumulate(grads, micro_grads)
         if self.accum_steps == 1:
             return total, grads
         return total / self.accum_steps, {n: g / self.accum_steps for n, g in grads.items()}
 
+
+def accumulate(grads: dict, more: dict) -> None:
+    """grads += more, name by name (a name new to ``grads`` is taken as it is)."""
+    for name, g in more.items():
+        grads[name] = grads[name] + g if name in grads else g
 
 
 def clipped_grads(mode, idx, targets, grad_clip: float = 0.0, **options):
@@ -213,6 +217,7 @@ def require_torch_params(params: dict, cfg: GPTConfig) -> None:
                         f"{type(params['wte.weight']).__name__}: use backend='torch'")
 
 
-__all__ = ["ParallelMode", "Replicated", "Single", "clipped_grads", "rank_and_world", "micro_batches", "rows_per_rank",
-           "pad_rows", "take_rows", "all_reduce_sum", "sharded_norm", "tensor_bytes",
-           "config_fingerprint", "check_same_config", "require_torch_params"]
+__all__ = ["ParallelMode", "Replicated", "Single", "clipped_grads", "rank_and_world",
+           "micro_batches", "accumulate", "rows_per_rank", "pad_rows", "take_rows", "all_reduce_sum",
+           "sharded_norm", "tensor_bytes", "config_fingerprint", "check_same_config",
+           "require_torch_params"]

@@ -143,7 +143,8 @@ def read_sharded(ckpt_dir, state: dict) -> tuple[dict, dict]:
         if list(full[key].shape) != entry["shape"]:
             raise ValueError(f"{index_path}: the pieces of {key} make {full[key].shape}, "
                              f"expected {entry['shape']}")
-    params = {k.removeprefix(PARAM_PREFIX): v for k, v in full.items() if k.startswith(PARAM_PREFIX)}
+    params = {k.removeprefix(PARAM_PREFIX): v for k, v in full.items()
+              if k.startswith(PARAM_PREFIX)}
     moments = {k.removeprefix(OPTIMIZER_PREFIX): v for k, v in full.items()
                if k.startswith(OPTIMIZER_PREFIX)}
     return params, moments

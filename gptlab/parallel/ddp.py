@@ -24,6 +24,7 @@ from ..config import GPTConfig
 from ..model import backward_parts, gpt_forward
 from .base import (
     Replicated,
+    accumulate,
     all_reduce_sum,
     check_same_config,
     micro_batches,
@@ -73,7 +74,8 @@ class DataParallel(Replicated):
         batches = micro_batches(idx, targets, self.rank, self.world_size, self.accum_steps)
         self.pending, local_grads, total = [], {}, 0.0
         for step, (x, y) in enumerate(batches):
-            seed = None if dropout_seed is None else dropout_seed + step + self.accum_steps * self.rank
+            # each rank's micro-batches draw their own dropout masks
+            seed = None if dropout_seed is None else dropout_seed + self.accum_steps * self.rank + step
             loss, parts = self.forward_backward(x, y, seed)
             total += loss
             for part in parts:
@@ -91,8 +93,7 @@ class DataParallel(Replicated):
     def bucket_ready(self, part: dict, local_grads: dict, last: bool) -> None:
         """Add one part's micro-step gradients to the local sum; on the last micro-step start
         the all-reduce of the part's bucket."""
-        for name, g in part.items():
-            local_grads[name] = local_grads[name] + g if name in local_grads else g
+        accumulate(local_grads, part)
         if last:
             names = list(part)
             bucket = flatten([local_grads[name] for name in names])

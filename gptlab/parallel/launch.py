@@ -82,7 +82,7 @@ def launch(fn, nproc: int, *args, threads: int | None = 1, timeout_s: float = CO
         raise ValueError(f"nproc must be an integer >= 1, got {nproc!r}")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=uuid.uuid4().hex, rdzv_backend="c10d",
-                          rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                          rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1", max_restarts=0,
                           monitor_interval=monitor_interval, start_method="spawn")
     try:
         results = elastic_launch(config, _worker)(fn, args, threads, timeout_s, device)

@@ -27,12 +27,13 @@ recomputation) and then its backward: weights and activations of one block at a 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
-from ..config import GPTConfig
 from ..model import backward_parts, embed_forward, head_forward, layer_forward
-from .base import pad_rows, rows_per_rank, sharded_norm, take_rows, tensor_bytes
+from .base import accumulate, pad_rows, rows_per_rank, sharded_norm, take_rows, tensor_bytes
 from .ddp import DataParallel, flatten
 
 
@@ -51,10 +52,7 @@ def from_rank_major(buffer, shapes: list) -> list:
 
 def _row_size(shape: tuple) -> int:
     """The elements of one row of a tensor of ``shape``."""
-    size = 1
-    for n in shape[1:]:
-        size *= n
-    return size
+    return math.prod(shape[1:])
 
 
 class ZeRO(DataParallel):
@@ -64,10 +62,10 @@ class ZeRO(DataParallel):
 
     def keep(self, full: dict) -> None:
         self.shapes = {name: tuple(t.shape) for name, t in full.items()}
-        if self.stage < 3:  # the replica the forward uses, padded so that shards are its views
+        if self.stage == 3:
+            self._params = self.shard(full)
+        else:  # the replica the forward uses, padded so that this rank's rows are its views
             self.replica = {name: pad_rows(t, self.world_size).clone() for name, t in full.items()}
-        self._params = self.shard(full)
-        if self.stage < 3:
             self._params = self._views()
 
     def _views(self) -> dict:
@@ -141,9 +139,8 @@ class ZeRO(DataParallel):
             shapes = [(rows_per_rank(self.shapes[n][0], self.world_size), *self.shapes[n][1:])
                       for n in names]
             pieces = torch.split(received, [_row_size(s) * s[0] for s in shapes])
-            for name, piece, shape in zip(names, pieces, shapes):
-                piece = piece.view(shape)
-                grads[name] = grads[name] + piece if name in grads else piece
+            accumulate(grads, {name: piece.view(shape)
+                               for name, piece, shape in zip(names, pieces, shapes)})
         self.pending = []
         grads = {name: grads[name] * scale for name in self.shapes}
         self.held_grad_bytes = tensor_bytes(grads)
