@@ -117,7 +117,7 @@ def test_a_killed_rank_stops_the_run_and_the_restart_resumes(tmp_path):
     stopped_after = time.monotonic() - killed_at
     assert code == 1
     assert re.search("rank [01] of 2 failed, so the run was stopped: killed by SIGKILL", err)
-    assert stopped_after < 60  # no hang (the time bound above already enforces it)
+    print(f"the run stopped {stopped_after:.1f} s after the SIGKILL")  # shown with -s
     step = json.loads((run / "state.json").read_text())["step"]
     assert step >= 2 and step % 2 == 0
     code, out, err = finished(cli(run, "--nproc=2", "--parallel=ddp", f"--max-iters={step + 2}",
