@@ -171,11 +171,12 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
             raise ValueError(f"targets has shape {tuple(targets.shape)}, idx has {tuple(idx.shape)}")
     training = cfg.dropout > 0.0 and dropout_seed is not None
     cache = {"cfg": cfg, "training": training}
-    x = embed_forward(params, idx, cfg, cache, dropout_seed if training else None)  # (B, T, C)
+    seed = dropout_seed if training else None
+    x = embed_forward(params, idx, cfg, cache, seed)  # (B, T, C)
     cache["blocks"], aux_losses = [], []
     for layer in range(cfg.n_layer):
-        x, aux, block_cache = layer_forward(x, block_params(params, layer), cfg, layer,
-                                            dropout_seed if training else None)  # (B, T, C)
+        p = block_params(params, layer)
+        x, aux, block_cache = layer_forward(x, p, cfg, layer, seed)  # (B, T, C), aux or None
         aux_losses.append(aux)
         cache["blocks"].append(block_cache)
     logits, loss = head_forward(params, x, cfg, cache, targets, aux_losses)  # (B, T, V)
@@ -183,8 +184,8 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
 
 
 def embed_forward(params: dict, idx, cfg: GPTConfig, cache: dict, dropout_seed=None):
-    """x0 = wte[idx] + position (B, T, C), dropped out when ``dropout_seed`` is given; the
-    backward's state goes into ``cache`` (the model's cache dict)."""
+    """x0 = wte[idx] + position (B, T, C), dropped out when ``dropout_seed`` is given (then
+    ``cache["training"]`` must be True); the backward's state goes into ``cache``."""
     tok, cache["wte"] = embedding_forward(idx, params["wte.weight"])  # (B, T, C)
     if cfg.position == "learned":
         x, cache["wpe"] = position_learned_forward(tok, params["wpe.weight"])  # (B, T, C)
@@ -245,61 +246,35 @@ def backward_parts(cache: dict, dlogits=None, block_cache=None):
     ZeRO 3 passes one that gathers the block's weights and runs its forward again.
     """
     cfg = cache["cfg"]
-    block_cache = block_cache or (lambda layer: cache["blocks"][layer])
-    dlogits, daux = start_backward(cache, dlogits)
-    dx, grads = head_backward(cache, dlogits)  # (B, T, C)
-    dwte_head = grads.pop("wte.weight", None)  # the head's share of a tied wte, added last
-    yield grads
-    for layer in reversed(range(cfg.n_layer)):
-        dx, dblock = layer_backward(dx, daux, block_cache(layer), cfg)  # (B, T, C)
-        yield {f"h.{layer}.{name}": g for name, g in dblock.items()}
-    grads = embed_backward(dx, cache)
-    if dwte_head is not None:  # a tied matrix sums the gradients of both its uses
-        grads["wte.weight"] = dwte_head + grads["wte.weight"]  # (V, C)
-    yield grads
-
-
-def start_backward(cache: dict, dlogits=None):
-    """(dlogits (B, T, V), daux): from dloss = 1 when ``dlogits`` is None (which reaches every
-    block's load-balancing loss too, daux = 1), else the given dlogits and daux = 0."""
-    if dlogits is not None:
-        return dlogits, 0.0
-    if "loss" not in cache:
-        raise ValueError("gpt_backward needs the forward to have computed a loss (pass "
-                         "targets to gpt_forward) or an explicit dlogits")
-    (dlogits,) = cross_entropy_backward(1.0, cache["loss"])  # (B, T, V)
-    return dlogits, 1.0  # loss = cross_entropy + sum of the blocks' aux
-
-
-def head_backward(cache: dict, dlogits):
-    """dlogits (B, T, V) -> (dx_L (B, T, C), grads of ln_f and lm_head, or with a tied head
-    the head's share of wte.weight)."""
+    daux = 0.0 if dlogits is not None else 1.0  # loss = cross_entropy + sum of the blocks' aux
+    if dlogits is None:
+        if "loss" not in cache:
+            raise ValueError("gpt_backward needs the forward to have computed a loss (pass "
+                             "targets to gpt_forward) or an explicit dlogits")
+        (dlogits,) = cross_entropy_backward(1.0, cache["loss"])  # (B, T, V)
     xp = array_namespace(dlogits)
-    cfg, xf, head = cache["cfg"], cache["xf"], cache["head"]
-    C, V = head.shape
     grads = {}
+    xf, head = cache["xf"], cache["head"]
+    C, V = head.shape
     # logits = xf @ head
     dxf = dlogits @ head.mT  # (B, T, C)
-    if cfg.tie_embeddings:  # head = wte^T: the head's share of dwte
-        grads["wte.weight"] = xp.reshape(dlogits, (-1, V)).mT @ xp.reshape(xf, (-1, C))  # (V, C)
+    if cfg.tie_embeddings:  # head = wte^T: the head's share of dwte, added at the end
+        dwte_head = xp.reshape(dlogits, (-1, V)).mT @ xp.reshape(xf, (-1, C))  # (V, C)
     else:
         grads["lm_head.weight"] = xp.reshape(xf, (-1, C)).mT @ xp.reshape(dlogits, (-1, V))  # (C,V)
     # xf = LN_f(x)
     dx, dln_f = part_backward(dxf, cache["ln_f"])  # (B, T, C)
     grads.update(dln_f)
-    return dx, grads
-
-
-def layer_backward(dx, daux, block_cache, cfg: GPTConfig):
-    """dy (B, T, C) of a block (and daux, its load-balancing loss's) -> (dx (B, T, C), grads)."""
-    # x = block(x), or (x, aux) = block(x) with experts
-    return block_backward((dx, daux) if cfg.mlp == "moe" else dx, block_cache)
-
-
-def embed_backward(dx, cache: dict) -> dict:
-    """dx0 (B, T, C) -> grads of wpe and the embedding's share of wte.weight."""
-    cfg, grads = cache["cfg"], {}
-    if "drop" in cache:
+    yield grads
+    del xf, head  # the head is done: ZeRO 3 frees its gathered weights now
+    for layer in reversed(range(cfg.n_layer)):
+        # x = block(x), or (x, aux) = block(x) with experts
+        dout = (dx, daux) if cfg.mlp == "moe" else dx
+        block = cache["blocks"][layer] if block_cache is None else block_cache(layer)
+        dx, dblock = block_backward(dout, block)  # (B, T, C)
+        yield {f"h.{layer}.{name}": g for name, g in dblock.items()}
+    grads = {}
+    if cache["training"]:
         (dx,) = dropout_backward(dx, cache["drop"])  # (B, T, C)
     # x = tok + position
     if cfg.position == "learned":
@@ -308,9 +283,10 @@ def embed_backward(dx, cache: dict) -> dict:
         (dtok,) = position_sinusoidal_backward(dx, cache["wpe"])  # (B, T, C)
     else:
         dtok = dx  # (B, T, C) rope: x = tok
-    # tok = wte[idx]
-    (grads["wte.weight"],) = embedding_backward(dtok, cache["wte"])  # (V, C)
-    return grads
+    # tok = wte[idx]: the embedding's share of dwte; a tied matrix sums the grads of both uses
+    (dwte_embed,) = embedding_backward(dtok, cache["wte"])  # (V, C)
+    grads["wte.weight"] = dwte_embed + dwte_head if cfg.tie_embeddings else dwte_embed  # (V, C)
+    yield grads
 
 
 def loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, *, dropout_seed=None):
@@ -323,6 +299,5 @@ def loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, *, dropout_seed=N
 __all__ = [
     "GPTConfig", "param_shapes", "count_params", "init_params", "block_params", "block_options",
     "head_weight", "check_params", "gpt_forward", "gpt_backward", "loss_and_grads",
-    "embed_forward", "layer_forward", "head_forward", "start_backward", "head_backward",
-    "layer_backward", "embed_backward", "backward_parts",
+    "embed_forward", "layer_forward", "head_forward", "backward_parts",
 ]  # fmt: skip
