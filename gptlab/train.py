@@ -159,8 +159,8 @@ class TrainConfig:
     parallel: str = setting("none", "none: one process; ddp: data parallel; zero1, zero2, zero3: "
                             "ZeRO's stages; tensor, pipeline: the model split over the ranks",
                             choices=PARALLEL_CHOICES)
-    nproc: int = setting(1, "processes to start on this machine with torch's elastic launcher "
-                         "(under torchrun leave 1: torchrun starts them)")
+    nproc: int = setting(1, "processes a parallel run starts on this machine with torch's "
+                         "elastic launcher (under torchrun: ignored, torchrun starts them)")
     accum_steps: int = setting(1, "micro-steps per update of a parallel run (gradient "
                                "accumulation): batch_size splits over ranks x micro-steps")
 
@@ -334,12 +334,13 @@ def plot_losses(source, ax=None):
     return ax
 
 
-def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
+def train(cfg: TrainConfig, progress: bool = True) -> TrainResult | None:
     """Train (or, with ``cfg.resume``, continue) a GPT as ``cfg`` says; see the module docstring.
     With ``cfg.threads``, torch runs on that many CPU threads, and on its previous count after.
 
     A parallel run (``cfg.parallel``) starts ``cfg.nproc`` processes with torch's elastic
-    launcher (one thread each unless ``cfg.threads``) and returns rank 0's result; under torchrun (or inside such a process) this process is one rank: it opens the process group
+    launcher (one thread each unless ``cfg.threads``) and returns rank 0's result. Under
+    torchrun (or inside such a process) this process is one rank: it opens the process group
     and returns its result on rank 0, None on the others. Rank 0 alone writes the log and shows
     progress; every rank writes its shard of the checkpoints (``gptlab.parallel.checkpoint``).
 

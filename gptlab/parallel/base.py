@@ -218,6 +218,6 @@ def require_torch_params(params: dict, cfg: GPTConfig) -> None:
 
 
 __all__ = ["ParallelMode", "Replicated", "Single", "clipped_grads", "rank_and_world",
-           "micro_batches", "accumulate", "rows_per_rank", "pad_rows", "take_rows", "all_reduce_sum",
-           "sharded_norm", "tensor_bytes", "config_fingerprint", "check_same_config",
-           "require_torch_params"]
+           "micro_batches", "accumulate", "rows_per_rank", "pad_rows", "take_rows",
+           "all_reduce_sum", "sharded_norm", "tensor_bytes", "config_fingerprint",
+           "check_same_config", "require_torch_params"]

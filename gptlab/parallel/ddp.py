@@ -74,8 +74,9 @@ class DataParallel(Replicated):
         batches = micro_batches(idx, targets, self.rank, self.world_size, self.accum_steps)
         self.pending, local_grads, total = [], {}, 0.0
         for step, (x, y) in enumerate(batches):
-            # each rank's micro-batches draw their own dropout masks
-            seed = None if dropout_seed is None else dropout_seed + self.accum_steps * self.rank + step
+            # each micro-batch of each rank draws its own dropout masks
+            micro = self.accum_steps * self.rank + step
+            seed = None if dropout_seed is None else dropout_seed + micro
             loss, parts = self.forward_backward(x, y, seed)
             total += loss
             for part in parts:
