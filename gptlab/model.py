@@ -214,7 +214,9 @@ def head_forward(params: dict, x, cfg: GPTConfig, cache: dict, targets=None, aux
     xf, cache["ln_f"] = block_norm(x, params, "ln_f", block_options(cfg))  # (B, T, C)
     head = head_weight(params, cfg)  # (C, V), GPT-2's is wte^T
     logits = xf @ head  # (B, T, V)
-    cache["xf"], cache["head"], cache["wte.weight"] = xf, head, params["wte.weight"]
+    cache["xf"], cache["head"] = xf, head
+    if cfg.tie_embeddings:
+        cache["wte.weight"] = params["wte.weight"]
     loss = None
     if targets is not None:
         loss, cache["loss"] = cross_entropy_forward(logits, targets)  # ()

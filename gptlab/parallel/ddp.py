@@ -9,6 +9,10 @@ b = B / (W M) sequences. The global loss is the mean over all B sequences, so
 Each rank sums its micro-steps' gradients locally, and only the last micro-step communicates:
 the all-reduce sums over r, and the division by W M gives the mean.
 
+A mixture-of-experts model (mlp="moe") trains differently on W ranks than on one: each rank's
+load-balancing loss is computed over its own share of the batch (as GShard and Switch do), and
+that loss is not linear in the batch.
+
 Overlap: the hand-written backward (``gptlab.model.backward_parts``) finishes LN_f, then the
 blocks from the last to the first, then the embeddings. Each part's gradients are flattened into
 one bucket whose all-reduce is started (``async_op=True``) at once, so the network moves block

@@ -175,7 +175,7 @@ class ZeRO(DataParallel):
             for count, part in enumerate(backward_parts(cache, block_cache=recompute)):
                 if count == 0:  # the head's backward is done: free its gathered weights
                     for key in ("head", "wte.weight", "xf"):
-                        cache.pop(key)
+                        cache.pop(key, None)
                 yield part
 
         return float(loss), parts()
