@@ -20,10 +20,15 @@ from gptlab.parallel.launch import launch
 # float32 runs without biases: the key bias's gradient is exactly zero in exact arithmetic
 # (softmax ignores a shift shared by all keys), so in float32 it is pure round-off, which Adam's
 # m / sqrt(v) turns into lr-sized steps of random sign; two summation orders cannot agree there.
+# "llama" (float64): LLaMA's wiring (RMSNorm, SwiGLU, RoPE, grouped-query attention, an untied
+# head). A case is (mode, model: a key of CONFIGS, micro-steps).
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=13, block_size=6)
-CONFIGS = {"float64": CFG, "float32": GPTConfig(**{**CFG.to_dict(), "bias": False})}
+CONFIGS = {"float64": (CFG, "float64"),
+           "float32": (GPTConfig(**{**CFG.to_dict(), "bias": False}), "float32"),
+           "llama": (GPTConfig.llama(n_layer=1, n_head=2, n_kv_head=1, n_embd=8, vocab_size=13,
+                                     block_size=6, mlp_hidden=16), "float64")}
 BATCH, UPDATES, GRAD_CLIP = 8, 20, 0.5  # the clipping is active (the norms are above 0.5)
-CASES = [("ddp", "float64", 1), ("ddp", "float32", 1), ("ddp", "float64", 2)]
+CASES = [("ddp", "float64", 1), ("ddp", "float32", 1), ("ddp", "float64", 2), ("ddp", "llama", 1)]
 TOLERANCE = {"float64": 1e-12, "float32": 1e-6}
 
 
@@ -34,9 +39,9 @@ def batches(n_updates: int = UPDATES, seed: int = 0) -> list:
     return [(torch.as_tensor(i[:, :-1]), torch.as_tensor(i[:, 1:])) for i in ids]
 
 
-def run(mode_cls, dtype: str, accum_steps: int = 1):
-    """20 updates of the mode -> (losses, the full parameters as NumPy)."""
-    cfg = CONFIGS[dtype]
+def run(mode_cls, model: str, accum_steps: int = 1):
+    """20 updates of the mode on CONFIGS[model] -> (losses, the full parameters as NumPy)."""
+    cfg, dtype = CONFIGS[model]
     params = init_params(cfg, seed=3, backend="torch", dtype=dtype)
     mode = mode_cls(cfg, params, accum_steps=accum_steps)
     optimizer = AdamW(mode.params, lr=1e-2, weight_decay=0.1)
@@ -61,7 +66,7 @@ def launched(cases: list, world_size: int) -> list:
 def check_equal_to_one_process(per_rank: list, reference: dict, case: tuple) -> None:
     """Every rank's losses and final weights equal the one-process run's, to the dtype's bound."""
     ref_losses, ref_params = reference[case[1]]
-    tol = TOLERANCE[case[1]]
+    tol = TOLERANCE[CONFIGS[case[1]][1]]
     for rank, results in enumerate(per_rank):
         losses, params = results[case]
         np.testing.assert_allclose(losses, ref_losses, rtol=tol, atol=tol,
@@ -70,13 +75,13 @@ def check_equal_to_one_process(per_rank: list, reference: dict, case: tuple) -> 
             np.testing.assert_allclose(params[name], ref, rtol=0, atol=tol,
                                        err_msg=f"{name}, rank {rank} of {len(per_rank)}")
     moved = max(float(np.max(np.abs(p - init))) for p, init in zip(
-        ref_params.values(), init_params(CONFIGS[case[1]], seed=3).values()))
+        ref_params.values(), init_params(CONFIGS[case[1]][0], seed=3).values()))
     assert moved > 1e-2  # the weights moved: the comparison is not of two untouched models
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return {dtype: run(Single, dtype) for dtype in TOLERANCE}
+    return {model: run(Single, model) for model in CONFIGS}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")

@@ -16,7 +16,8 @@ from gptlab.parallel.launch import launch
 from gptlab.parallel.zero import from_rank_major, rank_major
 
 CASES = [(mode, dtype, 1) for mode in ("zero1", "zero2", "zero3")
-         for dtype in ("float64", "float32")] + [("zero2", "float64", 2), ("zero3", "float64", 2)]
+         for dtype in ("float64", "float32")] + [("zero2", "float64", 2), ("zero3", "float64", 2),
+                                                 ("zero3", "llama", 1)]
 # every first dimension divides by 2 and 4, so the shards have no padding
 EVEN = GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=16, block_size=8)
 STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
