@@ -348,6 +348,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult | None:
     applied, so the last checkpoint on disk stays the last good one.
     """
     if cfg.parallel != "none" and not under_launcher():
+        mode_class(cfg.parallel)  # a mode this gptlab lacks is an error here, before the launch
         return launch(_train_rank, cfg.nproc, asdict(cfg), progress, threads=cfg.threads or 1,
                       device=cfg.device)[0]
     if cfg.threads is None:
