@@ -41,7 +41,8 @@ def log_softmax(x):
     return shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))  # (..., V)
 
 
-def _check(student_logits, teacher_logits, targets, tau, alpha) -> None:
+def require_distillation_inputs(student_logits, teacher_logits, targets, tau, alpha) -> None:
+    """The checks of distillation_forward: clear TypeError / ValueError naming the argument."""
     require_float("student_logits", student_logits)
     require_float("teacher_logits", teacher_logits)
     require_same_dtype("student_logits", student_logits, "teacher_logits", teacher_logits)
@@ -67,7 +68,7 @@ def distillation_forward(student_logits, teacher_logits, targets=None, *, tau: f
     """student_logits, teacher_logits (..., V), targets (...) ids or None (only with alpha=1)
     -> (loss (), cache). The mean over positions of alpha tau^2 KL(q || p) + (1 - alpha) CE."""
     xp = array_namespace(student_logits, teacher_logits)
-    _check(student_logits, teacher_logits, targets, tau, alpha)
+    require_distillation_inputs(student_logits, teacher_logits, targets, tau, alpha)
     log_p = log_softmax(student_logits / tau)  # (..., V)
     log_q = log_softmax(teacher_logits / tau)  # (..., V)
     q = xp.exp(log_q)  # (..., V)
