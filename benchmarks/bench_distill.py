@@ -161,7 +161,9 @@ def markdown(res: dict) -> str:
         "and sees the same batches: equal updates, batch and tokens. The distilled students also "
         "run the teacher's forward on each batch (not counted). Seeds "
         f"{seeds}: mean ± standard deviation (min - max); 'vs labels only' is the paired "
-        "difference to the labels-only student of the same seed (negative: better).", "",
+        "difference to the labels-only student of the same seed (negative: better). Agreement: "
+        "top-1 match and KL(teacher ‖ student) at temperature 1 on the first "
+        f"{AGREEMENT_WINDOWS} validation windows ({AGREEMENT_WINDOWS * 64:,} predictions).", "",
         f"Machine: {m['cpu']}, {m['cores']} cores ({m['cores_usable']} usable); {res['jobs']} "
         f"students trained at once, torch 1 thread each; {m['platform']}; Python "
         f"{m['python']}, NumPy {m['numpy']}, torch {m['torch']}. Load average (1 min): "
