@@ -136,7 +136,7 @@ def agreement(student_params: dict, student_config: GPTConfig, teacher_params: d
     once). Returns ``top1``, the fraction of positions where both models' most likely next tokens
     are the same, and ``kl``, the mean KL(teacher || student) at temperature 1, in nats.
     """
-    data = np.asarray(to_numpy(data_ids) if not isinstance(data_ids, np.ndarray) else data_ids)
+    data = np.asarray(to_numpy(data_ids))  # (N,)
     if data.ndim != 1 or data.size < block_size + 1:
         raise ValueError(f"data_ids must be 1-D with at least block_size + 1 = {block_size + 1} "
                          f"tokens, got shape {data.shape}")
