@@ -59,7 +59,10 @@ AGREEMENT_WINDOWS = 256  # the first windows of the validation split, 16,384 pre
 
 
 def label(setting) -> str:
-    return "labels only" if setting is None else f"distilled, tau {setting[0]:g}, alpha {setting[1]:g}"
+    """The name of a contender: None is labels only, (tau, alpha) a distilled student."""
+    if setting is None:
+        return "labels only"
+    return f"distilled, tau {setting[0]:g}, alpha {setting[1]:g}"
 
 
 def train_teacher(data: str | None, iters: int, out_dir: str):
@@ -141,7 +144,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _pm(s: dict, digits: int = 4) -> str:
-    return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f} ({s['min']:.{digits}f} - {s['max']:.{digits}f})"
+    """mean ± std (min - max) of a ``spread``."""
+    mean, std, low, high = (f"{s[k]:.{digits}f}" for k in ("mean", "std", "min", "max"))
+    return f"{mean} ± {std} ({low} - {high})"
 
 
 def markdown(res: dict) -> str:
@@ -157,8 +162,8 @@ def markdown(res: dict) -> str:
         f"{t['val_loss']:.4f} nats per character.", "",
         f"Students ({res['student_params']:,} parameters: 2 layers, 2 heads, width 64, context "
         f"64): {res['iters']} updates of batch 12 with the teacher's recipe, float32 (the "
-        "teacher's forward too), the hand-written backward on torch. For a seed, every student starts from the same weights "
-        "and sees the same batches: equal updates, batch and tokens. The distilled students also "
+        "teacher's forward too), the hand-written backward on torch. For a seed, every student "
+        "starts from the same weights and sees the same batches: equal updates, batch and tokens. The distilled students also "
         "run the teacher's forward on each batch (not counted). Seeds "
         f"{seeds}: mean ± standard deviation (min - max); 'vs labels only' is the paired "
         "difference to the labels-only student of the same seed (negative: better). Agreement: "
