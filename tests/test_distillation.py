@@ -121,7 +121,8 @@ def test_bad_input_raises_clear_errors(backend):
         distillation_forward(s, t[..., :-1], y)
     with pytest.raises(ValueError, match="targets has shape"):
         distillation_forward(s, t, y[:, :-1])
-    for tau in (0.0, -1.0, math.inf, math.nan):
+    assert float(distillation_forward(s, t, y, tau=np.float32(2.0), alpha=np.float64(0.5))[0]) > 0
+    for tau in (0.0, -1.0, math.inf, math.nan, "2"):
         with pytest.raises(ValueError, match="tau"):
             distillation_forward(s, t, y, tau=tau)
     for alpha in (-0.1, 1.5, math.nan):

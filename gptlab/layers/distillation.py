@@ -28,6 +28,7 @@ Book: chapter 21, "Distillation".
 from __future__ import annotations
 
 import math
+from numbers import Real
 
 from ..backend import array_namespace
 from ..checks import require_float, require_int, require_same_dtype
@@ -52,9 +53,9 @@ def require_distillation_inputs(student_logits, teacher_logits, targets, tau, al
                          "same (..., V)")  # fmt: skip
     if len(student_logits.shape) == 0:
         raise ValueError("student_logits must have a vocabulary axis (..., V), got a scalar")
-    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
+    if not (isinstance(tau, Real) and math.isfinite(tau) and tau > 0):
         raise ValueError(f"tau (the temperature) must be a finite number > 0, got {tau!r}")
-    if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+    if not (isinstance(alpha, Real) and 0.0 <= alpha <= 1.0):
         raise ValueError(f"alpha (the weight of the soft term) must be in [0, 1], got {alpha!r}")
     if targets is None and alpha != 1.0:
         raise ValueError(f"targets are needed for the hard-label term (1 - alpha = {1 - alpha:g});"
@@ -69,6 +70,7 @@ def distillation_forward(student_logits, teacher_logits, targets=None, *, tau: f
     -> (loss (), cache). The mean over positions of alpha tau^2 KL(q || p) + (1 - alpha) CE."""
     xp = array_namespace(student_logits, teacher_logits)
     require_distillation_inputs(student_logits, teacher_logits, targets, tau, alpha)
+    tau, alpha = float(tau), float(alpha)  # Python floats: NumPy scalars do not mix with arrays
     log_p = log_softmax(student_logits / tau)  # (..., V)
     log_q = log_softmax(teacher_logits / tau)  # (..., V)
     q = xp.exp(log_q)  # (..., V)
