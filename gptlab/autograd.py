@@ -117,7 +117,8 @@ LAYERS = ("linear", "layernorm", "gelu", "relu", "softmax", "dropout", "embeddin
           "mlp", "block", "cross_entropy",
           "rmsnorm", "silu", "swiglu", "rope", "gqa", "router", "moe",
           "logistic",
-          "token_logprobs", "bradley_terry", "dpo", "ppo", "value_loss")  # fmt: skip
+          "token_logprobs", "bradley_terry", "dpo", "ppo", "value_loss",
+          "distillation")  # fmt: skip
 
 
 def _wrap(name: str):

@@ -52,6 +52,7 @@ from gptlab.layers.block import block_backward, block_forward, block_param_shape
 from gptlab.layers.bradley_terry import bradley_terry_backward, bradley_terry_forward
 from gptlab.layers.dpo import dpo_backward, dpo_forward
 from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from gptlab.layers.distillation import distillation_backward, distillation_forward
 from gptlab.layers.dropout import dropout_backward, dropout_forward
 from gptlab.layers.embedding import (
     embedding_backward,
@@ -463,6 +464,16 @@ CASES = [
     Case("ppo", ppo_forward, ppo_backward, _ppo_args, {"clip_eps": 0.2}),
     Case("value_loss", value_loss_forward, value_loss_backward,
          lambda rng: (_normal(rng, B, T), _normal(rng, B, T))),
+    # issue 15: the knowledge-distillation loss (student logits, teacher logits, targets)
+    Case("distillation", distillation_forward, distillation_backward,
+         lambda rng: (2 * _normal(rng, B, T, V), 2 * _normal(rng, B, T, V), _ids(rng, V, B, T)),
+         {"tau": 2.0, "alpha": 0.7}),
+    Case("distillation_tau_below_1", distillation_forward, distillation_backward,
+         lambda rng: (_normal(rng, B, T, V), _normal(rng, B, T, V), _ids(rng, V, B, T)),
+         {"tau": 0.5, "alpha": 0.3}),
+    Case("distillation_soft_only", distillation_forward, distillation_backward,
+         lambda rng: (3 * _normal(rng, B, T, V), 3 * _normal(rng, B, T, V)),
+         {"tau": 4.0, "alpha": 1.0}),
 ]  # fmt: skip
 CASE_IDS = [case.id for case in CASES]
 
