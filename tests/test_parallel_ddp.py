@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gptlab.config import GPTConfig
-from gptlab.model import init_params
+from gptlab.model import backward_parts, gpt_backward, gpt_forward, init_params
 from gptlab.optim import AdamW
 from gptlab.parallel import mode_class
 from gptlab.parallel.base import Single, clipped_grads
@@ -125,3 +125,21 @@ def test_unknown_and_missing_modes():
             assert callable(mode_class(name))
         except ValueError as err:
             assert "is not available in this gptlab" in str(err)
+
+
+def test_backward_parts_come_last_block_first_and_add_up_to_gpt_backward():
+    """The order data parallelism sends buckets in: LN_f, blocks L-1 .. 0, the embeddings;
+    every gradient exactly once, each equal to gpt_backward's."""
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=8, vocab_size=13, block_size=6)
+    params = init_params(cfg, seed=3, backend="torch", dtype="float64")
+    idx, targets = batches(1)[0]
+    _, _, cache = gpt_forward(params, idx, cfg, targets)
+    parts = list(backward_parts(cache))
+    owners = [{".".join(name.split(".")[:2 if name.startswith("h.") else 1]) for name in part}
+              for part in parts]  # "h.2.attn.c_attn.weight" -> "h.2", "wte.weight" -> "wte"
+    assert owners == [{"ln_f"}, {"h.2"}, {"h.1"}, {"h.0"}, {"wte", "wpe"}]
+    whole = gpt_backward(cache)
+    assert sorted(n for part in parts for n in part) == sorted(whole)
+    for part in parts:
+        for name, g in part.items():
+            assert torch.equal(g, whole[name])
