@@ -115,7 +115,8 @@ LAYERS = ("linear", "layernorm", "gelu", "relu", "softmax", "dropout", "embeddin
           "position_learned", "position_sinusoidal", "sdpa", "attention", "attention_single",
           "mlp", "block", "cross_entropy",
           "rmsnorm", "silu", "swiglu", "rope", "gqa", "router", "moe",
-          "logistic")  # fmt: skip
+          "logistic",
+          "flash_attention", "chunked_classifier")  # fmt: skip
 
 
 def _wrap(name: str):
