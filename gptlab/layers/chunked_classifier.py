@@ -8,8 +8,8 @@
 With GPT-2's vocabulary the (N, V) logits dwarf everything else a step holds: N = 8 x 1024
 tokens and V = 50,257 make 1.6 GB of float32 logits, and the plain path keeps the probabilities
 (another 1.6 GB) for its backward. Here the N rows are taken ``chunk_size`` at a time: each
-chunk's logits, loss and dlogits are computed (``linear.py`` and ``cross_entropy.py``, reused as
-they are) and at once turned into the chunk's dx and its share of dwte. Only a chunk's (n, V)
+chunk's logits, loss and dlogits are computed (``cross_entropy.py``, reused as it is) and at
+once turned into the chunk's dx and its share of dwte. Only a chunk's (n, V)
 arrays ever exist, so the memory of the head is O(chunk_size * V + V * C) instead of O(N * V).
 
 The design (as llm.c's fused classifier): the gradient is computed DURING the forward, because
@@ -29,7 +29,6 @@ import math
 from ..backend import array_device, array_namespace
 from ..checks import require_float, require_ids_in_range, require_int, require_same_dtype, require_shape
 from .cross_entropy import cross_entropy_backward, cross_entropy_forward
-from .linear import linear_backward, linear_forward
 
 
 def chunked_classifier_forward(x, wte, targets, *, chunk_size: int = 128):
@@ -46,16 +45,16 @@ def chunked_classifier_forward(x, wte, targets, *, chunk_size: int = 128):
     dwte = xp.zeros((V, C), dtype=wte.dtype, device=array_device(wte))  # (V, C), accumulated
     for n0 in range(0, N, chunk_size):
         n1 = min(n0 + chunk_size, N)
-        logits, head_cache = linear_forward(x_rows[n0:n1, :], wte.mT)  # (n, V)
+        x_chunk = x_rows[n0:n1, :]  # (n, C)
+        logits = x_chunk @ wte.mT  # (n, V)
         chunk_loss, ce_cache = cross_entropy_forward(logits, target_rows[n0:n1])  # (), chunk mean
         weight = (n1 - n0) / N  # the chunk's share of the mean over all N
         loss = loss + chunk_loss * weight
         # loss += weight * chunk_loss: dlogits = (probs - onehot) / n * weight = (probs - onehot) / N
         (dlogits,) = cross_entropy_backward(weight, ce_cache)  # (n, V)
         # logits = x_chunk @ wte^T
-        dx_chunk, dwte_t, _ = linear_backward(dlogits, head_cache)  # (n, C), (C, V)
-        dx_rows.append(dx_chunk)
-        dwte += dwte_t.mT  # (V, C)
+        dx_rows.append(dlogits @ wte)  # (n, C)
+        dwte += dlogits.mT @ x_chunk  # (V, C)
     dx = xp.reshape(xp.concat(dx_rows, axis=0), x.shape)  # (..., C)
     return loss, (dx, dwte)
 
