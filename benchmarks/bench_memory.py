@@ -173,12 +173,13 @@ def run(args) -> dict:
 
 def _table(rows, names, ratio, size_label, one_array) -> list[str]:
     a, b = ratio
-    head = (f"| {size_label} | {one_array} MiB | " + " | ".join(f"{n} peak MiB" for n in names) + f" | {a}/{b} peak | "
-            + " | ".join(f"{n} ms" for n in names) + " |")  # fmt: skip
+    head = (f"| {size_label} | {one_array} MiB | " + " | ".join(f"{n} peak MiB" for n in names)
+            + f" | {a}/{b} peak | " + " | ".join(f"{n} ms" for n in names) + " |")  # fmt: skip
     lines = [head, "|" + "---|" * (3 + 2 * len(names))]
     for r in rows:
         peaks, secs = r["peak_bytes"], r["seconds"]
-        lines.append(f"| {r['size']:,} | {r['one_array_bytes'] / MiB:,.1f} | " + " | ".join(f"{peaks[n] / MiB:,.1f}" for n in names)
+        lines.append(f"| {r['size']:,} | {r['one_array_bytes'] / MiB:,.1f} | "
+                     + " | ".join(f"{peaks[n] / MiB:,.1f}" for n in names)
                      + f" | {peaks[a] / peaks[b]:.3f} | "
                      + " | ".join(f"{1000 * secs[n]:,.0f}" for n in names) + " |")  # fmt: skip
     return lines

@@ -27,7 +27,13 @@ from __future__ import annotations
 import math
 
 from ..backend import array_device, array_namespace
-from ..checks import require_float, require_ids_in_range, require_int, require_same_dtype, require_shape
+from ..checks import (
+    require_float,
+    require_ids_in_range,
+    require_int,
+    require_same_dtype,
+    require_shape,
+)
 from .cross_entropy import cross_entropy_backward, cross_entropy_forward
 
 
@@ -50,7 +56,7 @@ def chunked_classifier_forward(x, wte, targets, *, chunk_size: int = 128):
         chunk_loss, ce_cache = cross_entropy_forward(logits, target_rows[n0:n1])  # (), chunk mean
         weight = (n1 - n0) / N  # the chunk's share of the mean over all N
         loss = loss + chunk_loss * weight
-        # loss += weight * chunk_loss: dlogits = (probs - onehot) / n * weight = (probs - onehot) / N
+        # loss += weight * chunk_loss: dlogits = (probs - onehot) / n * weight, i.e. / N
         (dlogits,) = cross_entropy_backward(weight, ce_cache)  # (n, V)
         # logits = x_chunk @ wte^T
         dx_rows.append(dlogits @ wte)  # (n, C)
@@ -61,7 +67,7 @@ def chunked_classifier_forward(x, wte, targets, *, chunk_size: int = 128):
 
 def chunked_classifier_backward(dloss, cache):
     """dloss (scalar, usually 1.0) -> (dx (..., C), dwte (V, C)): the gradients the forward
-    already computed for dloss = 1, scaled by dloss (the chain rule through loss -> dloss * loss)."""
+    computed for dloss = 1, scaled by dloss (the chain rule: d(dloss * loss) = dloss * d loss)."""
     dx, dwte = cache
     return dx * dloss, dwte * dloss
 
@@ -81,4 +87,5 @@ def _check_inputs(x, wte, targets, chunk_size) -> None:
         raise ValueError("targets is empty: the mean loss over no positions is undefined")
     require_ids_in_range("targets", targets, wte.shape[0])
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer (rows per chunk), got {chunk_size!r}")
+        raise ValueError(f"chunk_size must be a positive integer (rows per chunk), "
+                         f"got {chunk_size!r}")  # fmt: skip

@@ -50,12 +50,13 @@ def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | Non
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     settings = _Settings(Tq, k.shape[-2], scale, causal, block_q, block_k)
     lead = _broadcast([q.shape[:-2], k.shape[:-2], v.shape[:-2]])
+    dtype, device = q.dtype, array_device(q)
     out_rows, lse_rows = [], []
     for r0, r1 in _blocks(Tq, block_q):
         q_tile = q[..., r0:r1, :]  # (..., bq, hs)
-        m = xp.full((*lead, r1 - r0, 1), -math.inf, dtype=q.dtype, device=array_device(q))  # (...,bq,1)
-        l = xp.zeros((*lead, r1 - r0, 1), dtype=q.dtype, device=array_device(q))  # (..., bq, 1)
-        acc = xp.zeros((*lead, r1 - r0, hv), dtype=q.dtype, device=array_device(q))  # (...,bq,hv)
+        m = xp.full((*lead, r1 - r0, 1), -math.inf, dtype=dtype, device=device)  # (..., bq, 1)
+        l = xp.zeros((*lead, r1 - r0, 1), dtype=dtype, device=device)  # (..., bq, 1)
+        acc = xp.zeros((*lead, r1 - r0, hv), dtype=dtype, device=device)  # (..., bq, hv)
         for c0, c1 in settings.key_tiles(r0, r1):
             scores = settings.tile_scores(q_tile, k[..., c0:c1, :], r0, c0)  # (..., bq, bk)
             m_new = xp.maximum(m, xp.max(scores, axis=-1, keepdims=True))  # (..., bq, 1)
@@ -76,18 +77,19 @@ def flash_attention_backward(dout, cache):
     xp = array_namespace(dout)
     q, k, v, out, lse, settings = cache
     Tq, Tk, hs, hv = settings.Tq, settings.Tk, q.shape[-1], v.shape[-1]
-    lead = tuple(out.shape[:-2])
-    key_tiles = list(_blocks(Tk, settings.block_k))
-    dk_tiles = {c0: xp.zeros((*lead, c1 - c0, hs), dtype=q.dtype, device=array_device(q))
+    lead, dtype, device = tuple(out.shape[:-2]), q.dtype, array_device(q)
+    key_tiles = _blocks(Tk, settings.block_k)
+    dk_tiles = {c0: xp.zeros((*lead, c1 - c0, hs), dtype=dtype, device=device)
                 for c0, c1 in key_tiles}  # fmt: skip
-    dv_tiles = {c0: xp.zeros((*lead, c1 - c0, hv), dtype=q.dtype, device=array_device(q))
+    dv_tiles = {c0: xp.zeros((*lead, c1 - c0, hv), dtype=dtype, device=device)
                 for c0, c1 in key_tiles}  # fmt: skip
-    # the softmax Jacobian's row sum, sum_j att_ij datt_ij = sum_j att_ij (dout_i . v_j) = dout_i . out_i
+    # the softmax Jacobian's row sum over ALL keys, known before any tile:
+    # sum_j att_ij datt_ij = sum_j att_ij (dout_i . v_j) = dout_i . out_i
     D = xp.sum(dout * out, axis=-1, keepdims=True)  # (..., Tq, 1)
     dq_rows = []
     for r0, r1 in _blocks(Tq, settings.block_q):
         q_tile, dout_tile = q[..., r0:r1, :], dout[..., r0:r1, :]  # (..., bq, hs), (..., bq, hv)
-        dq_tile = xp.zeros((*lead, r1 - r0, hs), dtype=q.dtype, device=array_device(q))  # (...,bq,hs)
+        dq_tile = xp.zeros((*lead, r1 - r0, hs), dtype=dtype, device=device)  # (..., bq, hs)
         for c0, c1 in settings.key_tiles(r0, r1):
             k_tile, v_tile = k[..., c0:c1, :], v[..., c0:c1, :]  # (..., bk, hs), (..., bk, hv)
             scores = settings.tile_scores(q_tile, k_tile, r0, c0)  # (..., bq, bk)
@@ -142,4 +144,4 @@ def _blocks(n: int, size: int):
 
 def _check_block(name: str, size) -> None:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"{name} must be a positive integer (a tile's number of rows), got {size!r}")
+        raise ValueError(f"{name} must be a positive integer (rows per tile), got {size!r}")
