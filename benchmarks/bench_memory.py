@@ -2,7 +2,7 @@
 flash attention and the chunked classifier against the plain layers and torch's own.
 
     python benchmarks/bench_memory.py [--T 256 512 1024 2048 4096] [--vocab 1024 8192 32768 50257]
-                                      [--repeats 3] [--threads 2] [--device cpu] [--note "..."]
+                                      [--repeats 3] [--threads 1] [--device cpu] [--note "..."]
 
 Attention (float32, B = 1, 4 heads of size 64, causal, as in GPT): one forward + backward of
 - flash: ``gptlab.layers.flash_attention`` (tiles of 128 x 128, hand-written backward);
@@ -24,7 +24,10 @@ exactly on any machine with the same library versions.
 
 Time: the contenders run interleaved, ``--repeats`` rounds of one step each after a warm-up
 step, without the profiler; the median wall time per step is reported. The machine load at start
-and end is recorded: on a shared machine the times are noisy, the memory is not. Writes
+and end is recorded: on a shared machine the times are noisy, the memory is not. One thread by
+default: on a machine whose cores are all busy, two torch threads made the tiled loops (many
+small operations, each waiting for both threads) 10-60x slower here, which measures the
+oversubscription, not the layers. Writes
 ``benchmarks/results/memory.json`` and ``.md`` (``memory_cuda.*`` with ``--device cuda``).
 """
 
@@ -219,7 +222,7 @@ def main() -> None:
     parser.add_argument("--T", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--vocab", type=int, nargs="+", default=[1024, 8192, 32768, 50257])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--note", default="", help="e.g. that the machine was shared")
     parser.add_argument("--markdown-only", action="store_true", help="reload results/memory.json")
