@@ -118,7 +118,8 @@ LAYERS = ("linear", "layernorm", "gelu", "relu", "softmax", "dropout", "embeddin
           "rmsnorm", "silu", "swiglu", "rope", "gqa", "router", "moe",
           "logistic",
           "token_logprobs", "bradley_terry", "dpo", "ppo", "value_loss",
-          "distillation")  # fmt: skip
+          "distillation",
+          "flash_attention", "chunked_classifier")  # fmt: skip
 
 
 def _wrap(name: str):

@@ -14,9 +14,11 @@ from gptlab import GPTConfig, gpt_forward, init_params
 from gptlab.layers.attention import attention_forward, multihead_forward
 from gptlab.layers.attention_single import attention_single_forward
 from gptlab.layers.block import block_forward
+from gptlab.layers.chunked_classifier import chunked_classifier_forward
 from gptlab.layers.cross_entropy import cross_entropy_forward
 from gptlab.layers.dropout import dropout_forward
 from gptlab.layers.embedding import embedding_forward, embedding_onehot_forward
+from gptlab.layers.flash_attention import flash_attention_forward
 from gptlab.layers.gelu import gelu_forward
 from gptlab.layers.gqa import gqa_attention_forward, gqa_attention_step, gqa_forward, kv_cache_size
 from gptlab.layers.layernorm import layernorm_forward
@@ -612,3 +614,42 @@ def test_logistic_labels_must_be_integer_zero_or_one_of_the_logits_shape(F):
     with pytest.raises(ValueError, match=re.escape("labels has shape (2, 4) but logits has shape "
                                                    "(2, 3): expected one label per logit")):
         logistic_forward(F(B, T), F.int(2, B, 4))
+
+
+# issue 11: flash attention and the chunked classifier
+
+
+def test_flash_attention_checks_like_sdpa_and_its_tiles(F):
+    with pytest.raises(ValueError, match=re.escape("k has head size 4 but q has 3")):
+        flash_attention_forward(F(B, NH, T, 3), F(B, NH, T, 4), F(B, NH, T, 3))
+    with pytest.raises(TypeError, match="k must be a floating-point array"):
+        flash_attention_forward(F(T, 3), F.int(V, T, 3), F(T, 3))
+    with pytest.raises(ValueError, match="query row 0 can see no key: causal=True"):
+        flash_attention_forward(F(4, 3), F(2, 3), F(2, 3), causal=True)
+    with pytest.raises(ValueError, match=re.escape("q has no positions (Tq=0)")):
+        flash_attention_forward(F(0, 3), F(2, 3), F(2, 3))
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match=f"block_q must be a positive integer .*got {bad!r}"):
+            flash_attention_forward(F(T, 3), F(T, 3), F(T, 3), block_q=bad)
+    with pytest.raises(ValueError, match="block_k must be a positive integer"):
+        flash_attention_forward(F(T, 3), F(T, 3), F(T, 3), block_k=0)
+
+
+def test_chunked_classifier_rejects_bad_shapes_ids_and_chunks(F):
+    with pytest.raises(TypeError, match="targets must be an integer array"):
+        chunked_classifier_forward(F(B, T, C), F(V, C), F(B, T))
+    with pytest.raises(TypeError, match="wte must be a floating-point array"):
+        chunked_classifier_forward(F(B, T, C), F.int(V, V, C), F.int(V, B, T))
+    with pytest.raises(ValueError, match=re.escape("wte must have shape (V, C), got (5,)")):
+        chunked_classifier_forward(F(B, T, C), F(V), F.int(V, B, T))
+    with pytest.raises(ValueError, match=re.escape("x has shape (2, 3, 4), expected (*, *, 3)")):
+        chunked_classifier_forward(F(B, T, C), F(V, 3), F.int(V, B, T))
+    with pytest.raises(ValueError, match=re.escape("targets has shape (2, 2) but x has shape "
+                                                   "(2, 3, 4): expected targets.shape == x.shape[:-1]")):
+        chunked_classifier_forward(F(B, T, C), F(V, C), F.int(V, B, 2))
+    with pytest.raises(ValueError, match="targets holds token id 5, outside the vocabulary of size 5"):
+        chunked_classifier_forward(F(1, 2, C), F(V, C), F.ints([[1, 5]]))
+    with pytest.raises(ValueError, match="targets is empty"):
+        chunked_classifier_forward(F(0, C), F(V, C), F.int(V, 0))
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer .*got 0"):
+        chunked_classifier_forward(F(B, T, C), F(V, C), F.int(V, B, T), chunk_size=0)

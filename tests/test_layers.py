@@ -50,7 +50,9 @@ from gptlab.layers.attention_single import (
 )
 from gptlab.layers.block import block_backward, block_forward, block_param_shapes
 from gptlab.layers.bradley_terry import bradley_terry_backward, bradley_terry_forward
+from gptlab.layers.chunked_classifier import chunked_classifier_backward, chunked_classifier_forward
 from gptlab.layers.dpo import dpo_backward, dpo_forward
+from gptlab.layers.flash_attention import flash_attention_backward, flash_attention_forward
 from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gptlab.layers.distillation import distillation_backward, distillation_forward
 from gptlab.layers.dropout import dropout_backward, dropout_forward
@@ -474,6 +476,21 @@ CASES = [
     Case("distillation_soft_only", distillation_forward, distillation_backward,
          lambda rng: (3 * _normal(rng, B, T, V), 3 * _normal(rng, B, T, V)),
          {"tau": 4.0, "alpha": 1.0}),
+    # issue 11: flash attention (tiles smaller than T, uneven) and the chunked classifier
+    Case("flash_attention", flash_attention_forward, flash_attention_backward,
+         _sdpa_args((B, NH), 5, 5), {"causal": False, "block_q": 2, "block_k": 3}),
+    Case("flash_attention_causal", flash_attention_forward, flash_attention_backward,
+         _sdpa_args((B, NH), 5, 5), {"causal": True, "block_q": 3, "block_k": 2}),
+    Case("flash_attention_Tq_lt_Tk_causal_broadcast", flash_attention_forward,
+         flash_attention_backward, _sdpa_args((B, NH), 3, 5, kv_lead=(B, 1), hv=2),
+         {"causal": True, "scale": 0.7, "block_q": 2, "block_k": 2}),
+    Case("flash_attention_T1", flash_attention_forward, flash_attention_backward,
+         _sdpa_args((B, NH), 1, 1), {"causal": True}),
+    Case("chunked_classifier", chunked_classifier_forward, chunked_classifier_backward,
+         lambda rng: (_normal(rng, B, T, C), _normal(rng, V, C), _ids(rng, V, B, T)),
+         {"chunk_size": 4}),
+    Case("chunked_classifier_one_chunk", chunked_classifier_forward, chunked_classifier_backward,
+         lambda rng: (_normal(rng, B, T, C), _normal(rng, V, C), _ids(rng, V, B, T))),
 ]  # fmt: skip
 CASE_IDS = [case.id for case in CASES]
 

@@ -28,7 +28,9 @@ from gptlab.gradcheck import check_layer, check_model
 from gptlab.layers.attention import attention_forward, attention_backward
 from gptlab.layers.attention_single import attention_single_forward
 from gptlab.layers.block import block_backward, block_forward, block_param_shapes
+from gptlab.layers.chunked_classifier import chunked_classifier_backward, chunked_classifier_forward
 from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from gptlab.layers.flash_attention import flash_attention_backward, flash_attention_forward
 from gptlab.layers.gqa import gqa_attention_backward, gqa_attention_forward, gqa_backward, gqa_forward
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
 from gptlab.layers.logistic import logistic_backward, logistic_forward
@@ -691,3 +693,44 @@ def test_logistic_over_shapes_matches_finite_differences_and_its_symmetries(shap
     assert loss > 0 and np.isfinite(loss)
     assert flipped == pytest.approx(loss, rel=1e-12)
     assert at_zero == pytest.approx(np.log(2.0), rel=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 11: flash attention and the chunked classifier equal the plain layers over shapes and
+# tile sizes
+
+
+@fast()
+@given(s=sdpa_shapes, block_q=st.integers(1, 5), block_k=st.integers(1, 5))
+def test_flash_attention_equals_sdpa_over_shapes_and_tiles(s, block_q, block_k):
+    """Any tiles, T and leading dims (k, v broadcast), causal or not: sdpa's output and
+    gradients; and the finite-difference check of the flash backward itself."""
+    q, k, v, _, rng = _sdpa_inputs(s)
+    tiles = {"causal": s["causal"], "block_q": block_q, "block_k": block_k}
+    out, cache = flash_attention_forward(q, k, v, **tiles)
+    want, want_cache = sdpa_forward(q, k, v, causal=s["causal"])
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-13)
+    dout = rng.standard_normal(out.shape)
+    for got, expected in zip(flash_attention_backward(dout, cache), sdpa_backward(dout, want_cache),
+                             strict=True):  # fmt: skip
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-12)
+    check_layer(flash_attention_forward, flash_attention_backward, q, k, v,
+                **tiles).assert_ok(TOL)  # fmt: skip
+
+
+@fast()
+@given(shape=hnp.array_shapes(min_dims=1, max_dims=3, max_side=4), V=st.integers(1, 6),
+       C=st.integers(1, 3), chunk_size=st.integers(1, 7), seed=st.integers(0, 2**16))  # fmt: skip
+def test_chunked_classifier_equals_head_and_cross_entropy_over_shapes(shape, V, C, chunk_size,
+                                                                      seed):  # fmt: skip
+    """Any positions (...), vocabulary and chunk size: the loss of cross_entropy(x @ wte^T) and
+    its gradients by finite differences."""
+    rng = np.random.default_rng(seed)
+    x, wte = rng.standard_normal((*shape, C)), rng.standard_normal((V, C))
+    targets = rng.integers(0, V, size=shape)
+    loss, _ = chunked_classifier_forward(x, wte, targets, chunk_size=chunk_size)
+    want, _ = cross_entropy_forward(x @ wte.T, targets)
+    assert float(loss) == pytest.approx(float(want), rel=1e-12, abs=1e-14)
+    check_layer(chunked_classifier_forward, chunked_classifier_backward, x, wte, targets,
+                chunk_size=chunk_size).assert_ok(TOL)  # fmt: skip
