@@ -51,20 +51,10 @@ from gptlab.optim import AdamW  # noqa: E402
 from gptlab.parallel import mode_class  # noqa: E402
 from gptlab.parallel.base import Single, clipped_grads, micro_batches, tensor_bytes  # noqa: E402
 from gptlab.parallel.launch import launch  # noqa: E402
+from gptlab.scaling import zero_memory_per_rank  # noqa: E402
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}  # fsdp2 shards as stage 3
-
-
-def zero_memory_per_rank(n_params: int, world_size: int, stage: int, *, param_bytes=4,
-                         grad_bytes=4, optimizer_bytes=8) -> dict:
-    """The ZeRO paper's bytes per rank (stage 0: plain data parallel); gptlab.scaling's formula,
-    copied here until that module is merged."""
-    params = n_params * param_bytes / (world_size if stage >= 3 else 1)
-    grads = n_params * grad_bytes / (world_size if stage >= 2 else 1)
-    optimizer = n_params * optimizer_bytes / (world_size if stage >= 1 else 1)
-    return {"params": params, "grads": grads, "optimizer": optimizer,
-            "total": params + grads + optimizer}
 
 
 class _Steps:
