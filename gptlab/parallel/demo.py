@@ -1,0 +1,57 @@
+"""Small runs of the parallel modes, written as module-level functions so that spawned processes
+can import them (a notebook cell's function cannot be pickled by name): the tests and chapter 15
+call them through a launcher, one process per rank.
+
+``train_rank(rank, world_size, mode, cfg, ...)`` trains a mode for a few AdamW updates on a fixed
+random batch and returns its losses and the full parameters; ``train_single`` does the same in
+one process with ``gptlab.model``: equal results are the modes' correctness test.
+
+Book: chapter 15, "One model, many devices".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import GPTConfig
+from ..model import init_params, loss_and_grads
+from ..optim import AdamW
+from .pipeline import PipelineParallel
+from .tensor import TensorParallel
+
+MODES = {"tensor": TensorParallel, "pipeline": PipelineParallel}
+LR = 1e-3
+
+
+def batch(cfg: GPTConfig, B: int, T: int, seed: int = 0):
+    """A seeded random global batch (idx, targets), each (B, T) int64 on the CPU."""
+    generator = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg.vocab_size, (B, T), generator=generator)  # (B, T)
+    targets = torch.randint(0, cfg.vocab_size, (B, T), generator=generator)  # (B, T)
+    return idx, targets
+
+
+def train_single(cfg: GPTConfig, steps: int, B: int, T: int, dtype: str = "float64"):
+    """``steps`` AdamW updates in one process -> (losses, params)."""
+    params = init_params(cfg, seed=0, backend="torch", dtype=dtype)
+    optimizer, losses = AdamW(params, lr=LR), []
+    for step in range(steps):
+        loss, grads = loss_and_grads(params, *batch(cfg, B, T, seed=step), cfg)
+        params = optimizer.step(params, grads)
+        losses.append(loss)
+    return losses, params
+
+
+def train_rank(rank: int, world_size: int, mode: str, cfg: GPTConfig, steps: int, B: int, T: int,
+               dtype: str = "float64", options: dict | None = None):  # fmt: skip
+    """One rank of ``mode`` ("tensor" or "pipeline", with ``options``) for ``steps`` updates on
+    the same batches as ``train_single`` -> (losses, full params, the mode's grad norms)."""
+    params = init_params(cfg, seed=0, backend="torch", dtype=dtype)
+    model = MODES[mode](cfg, params, **(options or {}))
+    optimizer, losses, norms = AdamW(model.params, lr=LR), [], []
+    for step in range(steps):
+        loss, grads = model.loss_and_grads(*batch(cfg, B, T, seed=step))
+        norms.append(model.grad_norm(grads))
+        model.params = optimizer.step(model.params, grads)
+        losses.append(loss)
+    return losses, model.full_params(), norms
