@@ -90,3 +90,45 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60):
     finally:
         _kill_all(processes)
     return [values[rank] for rank in range(world_size)]
+
+
+# --- the equality target of every mode: training equal to one process -----------------------
+
+TOLERANCE = {"float64": 1e-12, "float32": 1e-6}
+# The key bias has a gradient of zero in exact arithmetic (softmax does not change when all the
+# scores of a query move by q . b_k), so in float32 AdamW's updates there feed on round-off.
+KEY_BIAS_TOLERANCE = 1e-5
+
+
+def train_in_both_dtypes(rank: int, world_size: int, mode: str, run: tuple, options: dict):
+    """One rank of ``mode`` trained in float64 and in float32 -> {dtype: (losses, params,
+    grad norms)}; ``run`` = (cfg, steps, B, T)."""
+    from gptlab.parallel.demo import train_rank
+
+    return {dtype: train_rank(rank, world_size, mode, *run, dtype, options) for dtype in TOLERANCE}
+
+
+def assert_equal_to_one_process(ranks: list, cfg, steps: int, B: int, T: int) -> None:
+    """Every rank's losses, full weights after ``steps`` updates and gradient norms (the same on
+    every rank) equal those of one process, float64 to 1e-12 and float32 to 1e-6."""
+    import numpy as np
+
+    from gptlab.parallel.demo import train_single
+
+    for dtype, tol in TOLERANCE.items():
+        losses, params = train_single(cfg, steps, B, T, dtype)
+        norms = ranks[0][dtype][2]
+        for rank, result in enumerate(ranks):
+            rank_losses, rank_params, rank_norms = result[dtype]
+            np.testing.assert_allclose(rank_losses, losses, rtol=0, atol=10 * tol)
+            assert rank_norms == norms, f"rank {rank}'s gradient norms differ from rank 0's"
+            assert list(rank_params) == list(params)
+            for name, value in params.items():
+                got, want = rank_params[name].numpy().copy(), value.numpy()
+                if name.endswith("attn.c_attn.bias") and dtype == "float32":
+                    key_bias = slice(cfg.n_embd, 2 * cfg.n_embd)
+                    np.testing.assert_allclose(got[key_bias], want[key_bias], rtol=0,
+                                               atol=KEY_BIAS_TOLERANCE)  # fmt: skip
+                    got[key_bias] = want[key_bias]
+                np.testing.assert_allclose(got, want, rtol=0, atol=tol,
+                                           err_msg=f"{dtype} {name} rank {rank}")  # fmt: skip
