@@ -2,7 +2,8 @@
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes (start method "spawn"),
 joins them in a gloo process group on 127.0.0.1 at a free port, pins one torch thread per
-process (four ranks fit on two cores), calls ``fn(rank, world_size, *args)`` in each and
+process (four ranks fit on two cores), calls ``fn(*args)`` in each (the rank and world size
+come from ``torch.distributed.get_rank()`` and ``get_world_size()``, as under torchrun) and
 returns the list of the return values, rank by rank. If any rank raises, dies, or the whole
 run takes longer than ``timeout`` seconds, every process is killed by its pid and a
 RuntimeError carries the failing rank's traceback: a test never hangs on a lost peer.
@@ -39,7 +40,7 @@ def _rank_main(rank: int, world_size: int, port: int, results, fn, args) -> None
         os.environ["OMP_NUM_THREADS"] = "1"
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size)  # fmt: skip
-        value = fn(rank, world_size, *args)
+        value = fn(*args)
         dist.barrier()  # nobody leaves while a peer still needs it
         dist.destroy_process_group()
         results.put(("ok", rank, pickle.dumps(value)))
@@ -56,7 +57,7 @@ def _kill_all(processes) -> None:
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 60):
-    """fn(rank, world_size, *args) on world_size gloo ranks -> [value of rank 0, rank 1, ...]."""
+    """fn(*args) on world_size gloo ranks -> [value of rank 0, rank 1, ...]."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     ctx = mp.get_context("spawn")
@@ -100,12 +101,12 @@ TOLERANCE = {"float64": 1e-12, "float32": 1e-6}
 KEY_BIAS_TOLERANCE = 1e-5
 
 
-def train_in_both_dtypes(rank: int, world_size: int, mode: str, run: tuple, options: dict):
+def train_in_both_dtypes(mode: str, run: tuple, options: dict):
     """One rank of ``mode`` trained in float64 and in float32 -> {dtype: (losses, params,
     grad norms)}; ``run`` = (cfg, steps, B, T)."""
     from gptlab.parallel.demo import train_rank
 
-    return {dtype: train_rank(rank, world_size, mode, *run, dtype, options) for dtype in TOLERANCE}
+    return {dtype: train_rank(mode, *run, dtype, options) for dtype in TOLERANCE}
 
 
 def assert_equal_to_one_process(ranks: list, cfg, steps: int, B: int, T: int) -> None:

@@ -105,8 +105,8 @@ RUN = (CFG, 20, 4, 4)  # the config, 20 updates, batches of (4, 4) tokens
 N_MICRO = 4
 
 
-def _train_both_schedules(rank: int, world_size: int):
-    return {name: train_in_both_dtypes(rank, world_size, "pipeline", RUN,
+def _train_both_schedules():
+    return {name: train_in_both_dtypes("pipeline", RUN,
                                        dict(n_micro=N_MICRO, schedule=name))
             for name in SCHEDULES}  # fmt: skip
 
@@ -118,7 +118,7 @@ def test_pipeline_training_equals_one_process(world_size):
         assert_equal_to_one_process([rank[name] for rank in ranks], *RUN)
 
 
-def _one_step_measured(rank: int, world_size: int):
+def _one_step_measured():
     measured = {}
     for schedule in SCHEDULES:
         model = PipelineParallel(CFG, init_params(CFG, backend="torch", dtype="float64"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,8 +34,8 @@ from gptlab.parallel.tensor import (
     parallel_attention_forward,
     parallel_mlp_backward,
     parallel_mlp_forward,
-    shard,
-    unshard,
+    shard_param,
+    unshard_param,
     vocab_cross_entropy_backward,
     vocab_cross_entropy_forward,
     vocab_embedding_backward,
@@ -123,11 +124,12 @@ LAYER_NAMES = {"w_attn": "attn.c_attn.weight", "b_attn": "attn.c_attn.bias",
                "logits": "lm_head.weight"}  # the shard rule of each input  # fmt: skip
 
 
-def _layers_on_a_rank(rank: int, world_size: int):
+def _layers_on_a_rank():
     """Every parallel layer's output and gradients on this rank, its inputs split as the mode
     splits the parameters (logits by vocabulary columns, like the head's)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     a = {name: torch.from_numpy(value) for name, value in _inputs().items()}
-    s = {name: shard(LAYER_NAMES[name], a[name], rank, world_size) if name in LAYER_NAMES
+    s = {name: shard_param(LAYER_NAMES[name], a[name], rank, world_size) if name in LAYER_NAMES
          else a[name] for name in a}  # fmt: skip
     start = rank * V // world_size
     runs = {
@@ -169,7 +171,7 @@ def test_parallel_layers_across_two_ranks_equal_the_layers():
             np.testing.assert_allclose(rank[name][0].numpy(), y_ref, rtol=0, atol=1e-13)
         for i, g_ref in zip(float_inputs, grads_ref):
             pieces = [rank[name][1][float_inputs.index(i)] for rank in ranks]
-            g = unshard(LAYER_NAMES[i], pieces) if i in LAYER_NAMES else pieces[0]
+            g = unshard_param(LAYER_NAMES[i], pieces) if i in LAYER_NAMES else pieces[0]
             np.testing.assert_allclose(g.numpy(), g_ref, rtol=0, atol=1e-13, err_msg=f"{name} d{i}")
 
 
@@ -202,15 +204,15 @@ def test_grad_norm_at_world_size_one_is_the_model_gradient_norm():
 def test_shards_put_together_give_the_parameter_back(world_size, seed):
     params = init_params(CFG, seed=seed)
     for name, value in params.items():
-        pieces = [shard(name, value, rank, world_size) for rank in range(world_size)]
-        np.testing.assert_array_equal(unshard(name, pieces), value)
+        pieces = [shard_param(name, value, rank, world_size) for rank in range(world_size)]
+        np.testing.assert_array_equal(unshard_param(name, pieces), value)
 
 
 def test_each_rank_owns_whole_heads():
     """The q, k and v columns of rank r are those of heads r*NH/W .. (r+1)*NH/W - 1."""
     w = np.arange(C * 3 * C, dtype=np.float64).reshape(C, 3 * C)
     hs = C // NH
-    part = shard("h.0.attn.c_attn.weight", w, 1, 2)  # heads 2 and 3
+    part = shard_param("h.0.attn.c_attn.weight", w, 1, 2)  # heads 2 and 3
     for j in range(3):  # q, k, v
         np.testing.assert_array_equal(part[:, j * C // 2 : (j + 1) * C // 2],
                                       w[:, j * C + 2 * hs : j * C + 4 * hs])  # fmt: skip

@@ -2,7 +2,7 @@
 can import them (a notebook cell's function cannot be pickled by name): the tests and chapter 15
 call them through a launcher, one process per rank.
 
-``train_rank(rank, world_size, mode, cfg, ...)`` trains a mode for a few AdamW updates on a fixed
+``train_rank(mode, cfg, ...)`` trains a mode for a few AdamW updates on a fixed
 random batch and returns its losses and the full parameters; ``train_single`` does the same in
 one process with ``gptlab.model``: equal results are the modes' correctness test.
 
@@ -16,7 +16,7 @@ import torch
 from ..config import GPTConfig
 from ..model import init_params, loss_and_grads
 from ..optim import AdamW
-from .pipeline import PipelineParallel
+from .pipeline import SCHEDULES, PipelineParallel
 from .tensor import TensorParallel
 
 MODES = {"tensor": TensorParallel, "pipeline": PipelineParallel}
@@ -42,8 +42,8 @@ def train_single(cfg: GPTConfig, steps: int, B: int, T: int, dtype: str = "float
     return losses, params
 
 
-def train_rank(rank: int, world_size: int, mode: str, cfg: GPTConfig, steps: int, B: int, T: int,
-               dtype: str = "float64", options: dict | None = None):  # fmt: skip
+def train_rank(mode: str, cfg: GPTConfig, steps: int, B: int, T: int, dtype: str = "float64",
+               options: dict | None = None):  # fmt: skip
     """One rank of ``mode`` ("tensor" or "pipeline", with ``options``) for ``steps`` updates on
     the same batches as ``train_single`` -> (losses, full params, the mode's grad norms)."""
     params = init_params(cfg, seed=0, backend="torch", dtype=dtype)
@@ -55,3 +55,27 @@ def train_rank(rank: int, world_size: int, mode: str, cfg: GPTConfig, steps: int
         model.params = optimizer.step(model.params, grads)
         losses.append(loss)
     return losses, model.full_params(), norms
+
+
+def tensor_parallel_step(cfg: GPTConfig, B: int, T: int):
+    """One rank: one forward and backward of ``TensorParallel`` in float64 on ``batch`` ->
+    (loss, the gradients gathered whole, the shapes of this rank's parameters)."""
+    model = TensorParallel(cfg, init_params(cfg, seed=0, backend="torch", dtype="float64"))
+    loss, grads = model.loss_and_grads(*batch(cfg, B, T))
+    return loss, model.unshard(grads), {name: tuple(p.shape) for name, p in model.params.items()}
+
+
+def pipeline_measurements(cfg: GPTConfig, B: int, T: int, micro_counts, steps: int = 3):
+    """One rank: ``steps`` steps of each schedule at each number of micro-batches (after one
+    warm-up step) -> {(schedule, m): [this stage's ``last_step`` of every step]}."""
+    params = init_params(cfg, seed=0, backend="torch", dtype="float32")
+    measured = {}
+    for schedule in SCHEDULES:
+        for n_micro in micro_counts:
+            model = PipelineParallel(cfg, params, n_micro=n_micro, schedule=schedule)
+            model.loss_and_grads(*batch(cfg, B, T))  # warm-up
+            measured[schedule, n_micro] = []
+            for step in range(steps):
+                model.loss_and_grads(*batch(cfg, B, T, seed=step))
+                measured[schedule, n_micro].append(model.last_step)
+    return measured

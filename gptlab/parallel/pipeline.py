@@ -180,7 +180,7 @@ class PipelineParallel:
         self.ranks = (dist.get_process_group_ranks(group) if group is not None
                       else list(range(self.n_stages)))  # fmt: skip
         self.opts = {**block_options(cfg), "seed": None}
-        self.params = {name: value for name, value in params.items() if self._owns(name)}
+        self.params = self.shard(params)
         self.last_step = {}
 
     def _owns(self, name: str) -> bool:
@@ -330,17 +330,25 @@ class PipelineParallel:
         return math.sqrt(float(all_reduce(torch.tensor([total], dtype=torch.float64),
                                           self.group)[0]))  # fmt: skip
 
-    def full_params(self) -> dict:
-        """Every parameter, on every rank (each stage's dict all-gathered)."""
-        parts = [self.params]
+    def shard(self, full: dict) -> dict:
+        """This stage's tensors among full ones named like the model's (parameters or moments)."""
+        return {name: value for name, value in full.items() if self._owns(name)}
+
+    def unshard(self, local: dict) -> dict:
+        """Every stage's tensors gathered, on every rank (a collective)."""
+        parts = [local]
         if self.n_stages > 1:
             parts = [None] * self.n_stages
-            dist.all_gather_object(parts, self.params, group=self.group)
+            dist.all_gather_object(parts, local, group=self.group)
         merged = {}
         for part in parts:
             merged.update(part)
-        return {name: merged[name] for name in param_shapes(self.cfg)}
+        return merged
 
+    def full_params(self) -> dict:
+        """Every parameter, on every rank."""
+        full = self.unshard(self.params)
+        return {name: full[name] for name in param_shapes(self.cfg)}
 
 __all__ = [
     "PipelineParallel", "gpipe_schedule", "one_f_one_b_schedule", "SCHEDULES", "dependencies",

@@ -263,7 +263,7 @@ def shard_rule(name: str) -> str:
     return "replicated"
 
 
-def shard(name: str, full, rank: int, world_size: int):
+def shard_param(name: str, full, rank: int, world_size: int):
     """Rank ``rank``'s part of the full parameter ``name``."""
     rule = shard_rule(name)
     if rule == "replicated":
@@ -285,7 +285,7 @@ def _columns(full, rank: int, world_size: int):
     return full[..., rank * n : (rank + 1) * n]  # (..., n/W)
 
 
-def unshard(name: str, pieces: list):
+def unshard_param(name: str, pieces: list):
     """The full parameter ``name`` from every rank's part, in rank order."""
     xp = array_namespace(pieces[0])
     rule = shard_rule(name)
@@ -309,8 +309,7 @@ class TensorParallel:
         self.rank, self.world_size = group_rank(group), group_size(group)
         check_tensor_config(cfg, self.world_size)
         check_params(params, cfg)
-        self.params = {name: shard(name, value, self.rank, self.world_size)
-                       for name, value in params.items()}  # fmt: skip
+        self.params = self.shard(params)
         self.vocab_start = self.rank * (cfg.vocab_size // self.world_size)
 
     def _head(self):
@@ -413,23 +412,32 @@ class TensorParallel:
         total = all_reduce(torch.tensor([sharded], dtype=torch.float64), self.group)
         return math.sqrt(float(total[0]) + replicated)
 
-    def full_params(self) -> dict:
-        """Every parameter whole, on every rank (the shards all-gathered)."""
+    def shard(self, full: dict) -> dict:
+        """This rank's part of full tensors named like ``params`` (parameters or moments)."""
+        return {name: shard_param(name, value, self.rank, self.world_size)
+                for name, value in full.items()}  # fmt: skip
+
+    def unshard(self, local: dict) -> dict:
+        """Every rank's parts all-gathered into full tensors, on every rank (a collective)."""
         full = {}
-        for name, value in self.params.items():
+        for name, value in local.items():
             if shard_rule(name) == "replicated" or self.world_size == 1:
                 full[name] = value
                 continue
             pieces = [torch.empty_like(value) for _ in range(self.world_size)]
             dist.all_gather(pieces, value.contiguous(), group=self.group)
-            full[name] = unshard(name, pieces)
-        return {name: full[name] for name in param_shapes(self.cfg)}
+            full[name] = unshard_param(name, pieces)
+        return full
 
+    def full_params(self) -> dict:
+        """Every parameter whole, on every rank."""
+        full = self.unshard(self.params)
+        return {name: full[name] for name in param_shapes(self.cfg)}
 
 __all__ = [
     "TensorParallel", "f_forward", "f_backward", "g_forward", "g_backward",
     "parallel_attention_forward", "parallel_attention_backward", "parallel_mlp_forward",
     "parallel_mlp_backward", "vocab_embedding_forward", "vocab_embedding_backward",
     "vocab_cross_entropy_forward", "vocab_cross_entropy_backward", "check_tensor_config",
-    "shard_rule", "shard", "unshard", "all_reduce", "group_size", "group_rank",
+    "shard_rule", "shard_param", "unshard_param", "all_reduce", "group_size", "group_rank",
 ]  # fmt: skip
