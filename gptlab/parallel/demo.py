@@ -66,9 +66,9 @@ def tensor_parallel_step(cfg: GPTConfig, B: int, T: int):
 
 
 def pipeline_measurements(cfg: GPTConfig, B: int, T: int, micro_counts, steps: int = 3):
-    """One rank: ``steps`` steps of each schedule at each number of micro-batches (after one
-    warm-up step) -> {(schedule, m): [this stage's ``last_step`` of every step]}."""
-    params = init_params(cfg, seed=0, backend="torch", dtype="float32")
+    """One rank: ``steps`` float64 steps of each schedule at each number of micro-batches (after
+    one warm-up step) -> {(schedule, m): [this stage's ``last_step`` and the step's loss]}."""
+    params = init_params(cfg, seed=0, backend="torch", dtype="float64")
     measured = {}
     for schedule in SCHEDULES:
         for n_micro in micro_counts:
@@ -76,6 +76,6 @@ def pipeline_measurements(cfg: GPTConfig, B: int, T: int, micro_counts, steps: i
             model.loss_and_grads(*batch(cfg, B, T))  # warm-up
             measured[schedule, n_micro] = []
             for step in range(steps):
-                model.loss_and_grads(*batch(cfg, B, T, seed=step))
-                measured[schedule, n_micro].append(model.last_step)
+                loss, _ = model.loss_and_grads(*batch(cfg, B, T, seed=step))
+                measured[schedule, n_micro].append({**model.last_step, "loss": loss})
     return measured
