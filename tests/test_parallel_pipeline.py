@@ -144,11 +144,13 @@ def test_the_executor_runs_the_schedule_and_holds_its_activations():
         assert 0.0 <= step["idle"] < 1.0 and step["span"] >= step["busy"]
 
 
-def test_one_stage_is_the_whole_model():
-    params = init_params(CFG, backend="torch", dtype="float64")
-    loss, grads = loss_and_grads(params, *batch(CFG, 4, 4), CFG)
-    model = PipelineParallel(CFG, params, n_micro=2, schedule="gpipe")
-    mode_loss, mode_grads = model.loss_and_grads(*batch(CFG, 4, 4))
+@pytest.mark.parametrize("fields", [{}, dict(tie_embeddings=False), dict(bias=False)])
+def test_one_stage_is_the_whole_model(fields):
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=16, block_size=4, **fields)
+    params = init_params(cfg, backend="torch", dtype="float64")
+    loss, grads = loss_and_grads(params, *batch(cfg, 4, 4), cfg)
+    model = PipelineParallel(cfg, params, n_micro=2, schedule="gpipe")
+    mode_loss, mode_grads = model.loss_and_grads(*batch(cfg, 4, 4))
     assert abs(mode_loss - loss) < 1e-12
     for name, g in grads.items():
         torch.testing.assert_close(mode_grads[name], g, rtol=0, atol=1e-12)

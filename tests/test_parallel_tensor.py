@@ -244,3 +244,15 @@ def test_ids_outside_the_vocabulary_are_refused():
     idx = torch.full((1, 2), 16)
     with pytest.raises(ValueError, match="idx holds token id 16"):
         model.loss_and_grads(idx, torch.zeros((1, 2), dtype=torch.int64))
+
+
+@pytest.mark.parametrize("fields", [dict(tie_embeddings=False), dict(bias=False)])
+def test_untied_head_and_no_biases_at_world_size_one(fields):
+    """An untied lm_head is column-parallel like the tied head; without biases nothing is added."""
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=4, **fields)
+    params = init_params(cfg, seed=1, backend="torch", dtype="float64")
+    loss, grads = loss_and_grads(params, *batch(cfg, 2, 4), cfg)
+    mode_loss, mode_grads = TensorParallel(cfg, params).loss_and_grads(*batch(cfg, 2, 4))
+    assert abs(mode_loss - loss) < 1e-12 and set(mode_grads) == set(grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(mode_grads[name], g, rtol=0, atol=1e-12)
