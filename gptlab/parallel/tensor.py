@@ -154,7 +154,7 @@ def parallel_attention_forward(x, w_attn, b_attn, w_proj, b_proj, *, n_head: int
 
 
 def parallel_attention_backward(dy, cache):
-    """dy (B, T, C) -> (dx, dw_attn, db_attn, dw_proj, db_proj), the weights' this rank's shards."""
+    """dy (B, T, C) -> (dx, dw_attn, db_attn, dw_proj, db_proj), each weight's grad a shard."""
     return _parallel_backward(_local_attention_backward, dy, cache)
 
 
