@@ -8,6 +8,8 @@ The multi-process tests spawn gloo ranks on 127.0.0.1 through ``parallel_ranks.r
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -118,20 +120,33 @@ def test_pipeline_training_equals_one_process(world_size):
         assert_equal_to_one_process([rank[name] for rank in ranks], *RUN)
 
 
+UNTIED = GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=16, block_size=4,
+                   tie_embeddings=False)  # fmt: skip
+
+
 def _one_step_measured():
+    """Each schedule's measurements of one step, and an untied model's loss and gradients."""
     measured = {}
     for schedule in SCHEDULES:
         model = PipelineParallel(CFG, init_params(CFG, backend="torch", dtype="float64"),
                                  n_micro=N_MICRO, schedule=schedule)  # fmt: skip
         model.loss_and_grads(*batch(CFG, 4, 4))
         measured[schedule] = model.last_step
-    return measured
+    untied = PipelineParallel(UNTIED, init_params(UNTIED, backend="torch", dtype="float64"))
+    loss, grads = untied.loss_and_grads(*batch(UNTIED, 4, 4))
+    return measured, (loss, untied.unshard(grads))
+
+
+@functools.cache
+def _two_ranks_one_step():
+    """One spawn of ``_one_step_measured`` on 2 ranks, shared by the tests that read it."""
+    return run_ranks(_one_step_measured, 2)
 
 
 def test_the_executor_runs_the_schedule_and_holds_its_activations():
     """The ops ran in the schedule's order, one after another, and the stage held as many
     micro-batches at once as the schedule says (m under GPipe, p - s under 1F1B)."""
-    ranks = run_ranks(_one_step_measured, 2)
+    ranks = [measured for measured, _ in _two_ranks_one_step()]
     for schedule, stage, step in [(name, s, r[name]) for name in SCHEDULES
                                   for s, r in enumerate(ranks)]:  # fmt: skip
         expected = SCHEDULES[schedule](2, N_MICRO)
@@ -142,6 +157,16 @@ def test_the_executor_runs_the_schedule_and_holds_its_activations():
         assert all(start >= end for start, end in zip(starts[1:], ends[:-1]))
         assert step["peak_activations"] == peak_activations(expected[stage])
         assert 0.0 <= step["idle"] < 1.0 and step["span"] >= step["busy"]
+
+
+def test_an_untied_head_on_two_stages_equals_one_process():
+    """No wte exchange: lm_head lives on the last stage, wte on the first."""
+    loss, grads = loss_and_grads(init_params(UNTIED, backend="torch", dtype="float64"),
+                                 *batch(UNTIED, 4, 4), UNTIED)  # fmt: skip
+    for _, (rank_loss, rank_grads) in _two_ranks_one_step():
+        assert abs(rank_loss - loss) < 1e-12 and set(rank_grads) == set(grads)
+        for name, g in grads.items():
+            torch.testing.assert_close(rank_grads[name], g, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("fields", [{}, dict(tie_embeddings=False), dict(bias=False)])
