@@ -201,3 +201,11 @@ def test_an_unknown_schedule_is_refused():
     params = init_params(CFG, backend="torch", dtype="float64")
     with pytest.raises(ValueError, match="schedule must be one of"):
         PipelineParallel(CFG, params, schedule="zigzag")
+
+
+@pytest.mark.parametrize("fields", [dict(mlp="moe", n_expert=2), dict(position="sinusoidal"),
+                                    dict(dropout=0.1)])  # fmt: skip
+def test_other_models_are_refused(fields):
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=16, block_size=4, **fields)
+    with pytest.raises(ValueError, match="pipeline parallel supports"):
+        PipelineParallel(cfg, init_params(cfg, backend="torch", dtype="float64"))

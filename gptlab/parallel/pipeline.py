@@ -166,9 +166,9 @@ class PipelineParallel:
                  schedule: str = "1f1b"):  # fmt: skip
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
-        if cfg.mlp == "moe" or cfg.position != "learned":
+        if cfg.mlp == "moe" or cfg.position != "learned" or cfg.dropout != 0.0:
             raise ValueError("pipeline parallel supports learned positions and blocks without "
-                             "experts")  # fmt: skip
+                             "experts or dropout")  # fmt: skip
         if not isinstance(n_micro, int) or n_micro < 1:
             raise ValueError(f"n_micro must be a positive integer, got {n_micro!r}")
         check_params(params, cfg)
@@ -243,8 +243,9 @@ class PipelineParallel:
         b = B // self.n_micro
         return [a[j * b : (j + 1) * b] for j in range(self.n_micro)]  # (b, T) each
 
-    def loss_and_grads(self, idx, targets):
-        """The global batch idx, targets (B, T) -> (mean loss on every rank, this stage's grads)."""
+    def loss_and_grads(self, idx, targets, *, dropout_seed=None):
+        """The global batch idx, targets (B, T) -> (mean loss on every rank, this stage's grads).
+        ``dropout_seed`` is accepted for the training loop and unused: the model has no dropout."""
         ids, tgts = self._micro_batches(idx), self._micro_batches(targets)
         b, T = ids[0].shape
         dtype = self.params[next(iter(self.params))].dtype

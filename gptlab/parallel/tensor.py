@@ -397,8 +397,9 @@ class TensorParallel:
             grads["wte.weight"], grads["lm_head.weight"] = dwte, dhead
         return {name: grads[name] for name in p}
 
-    def loss_and_grads(self, idx, targets):
-        """The global batch idx, targets (B, T) -> (mean loss, grads of this rank's shards)."""
+    def loss_and_grads(self, idx, targets, *, dropout_seed=None):
+        """The global batch idx, targets (B, T) -> (mean loss, grads of this rank's shards).
+        ``dropout_seed`` is accepted for the training loop and unused: the model has no dropout."""
         loss, cache = self.forward(idx, targets)
         return float(loss), self.backward(cache)
 
