@@ -114,7 +114,8 @@ def as_function(forward, backward):
 LAYERS = ("linear", "layernorm", "gelu", "relu", "softmax", "dropout", "embedding",
           "position_learned", "position_sinusoidal", "sdpa", "attention", "attention_single",
           "mlp", "block", "cross_entropy",
-          "rmsnorm", "silu", "swiglu", "rope", "gqa", "router", "moe")  # fmt: skip
+          "rmsnorm", "silu", "swiglu", "rope", "gqa", "router", "moe",
+          "logistic")  # fmt: skip
 
 
 def _wrap(name: str):

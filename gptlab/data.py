@@ -3,9 +3,12 @@
 The default corpus ships with Python itself: ``pydoc_data.topics.topics``, the reference text
 behind ``help("topic")`` (about 0.5 MB of English prose and code), so training needs no download.
 
-A batch is ``batch_size`` windows of ``block_size + 1`` consecutive tokens at random offsets
-(GPT-3's "random window sampling"): x is the first ``block_size`` tokens of each window and
-y the same window shifted left by one, so y[b, t] is the token that follows x[b, :t+1].
+A batch is ``batch_size`` windows of ``block_size + 1`` consecutive tokens at random offsets,
+as nanoGPT samples them: x is the first ``block_size`` tokens of each window and y the same window
+shifted left by one, so y[b, t] is the token that follows x[b, :t+1]. (GPT-3 did not sample
+windows: it trained on full 2048-token sequences with documents packed end to end and separated
+by an end-of-text token, Brown et al. 2020, Appendix B; ``gptlab.data_pipeline.pack_documents``
+builds such rows.)
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ CASES = [
                           r.normal(size=(6, C))), {}),
     ("rope", lambda r: (r.normal(size=(2, 2, 3, C)),), {}),
     ("rope", lambda r: (r.normal(size=(2, 2, 3, C)),), {"start": 4, "pairing": "adjacent"}),
+    ("logistic", lambda r: (r.normal(size=(2, 3)), r.integers(0, 2, size=(2, 3))), {}),
 ]  # fmt: skip
 CASE_IDS = [f"{name}-{i}" for i, (name, _, _) in enumerate(CASES)]
 

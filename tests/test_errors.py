@@ -21,6 +21,7 @@ from gptlab.layers.gelu import gelu_forward
 from gptlab.layers.gqa import gqa_attention_forward, gqa_attention_step, gqa_forward, kv_cache_size
 from gptlab.layers.layernorm import layernorm_forward
 from gptlab.layers.linear import linear_forward
+from gptlab.layers.logistic import logistic_forward
 from gptlab.layers.mlp import mlp_forward
 from gptlab.layers.moe import moe_forward
 from gptlab.layers.position_learned import position_learned_forward
@@ -446,6 +447,7 @@ def test_moe_input_and_weights_share_a_dtype(backend):
         ("w_router", lambda F, i: moe_forward(F(B, T, C), F.int(3, C, E), *_moe_weights(F)[1:])),
         ("logits", lambda F, i: router_forward(F.int(3, B * T, E), F.int(E, B * T, 2))),
         ("logits", lambda F, i: top_k_experts(F.int(3, B * T, E), 2)),
+        ("logits", lambda F, i: logistic_forward(F.int(3, B, T), F.int(2, B, T))),
     ],
 )
 def test_integer_arrays_where_floats_are_needed(F, name, call):
@@ -598,3 +600,15 @@ def test_same_errors_on_float32(backend):
     rng = np.random.default_rng(0)
     with pytest.raises(ValueError, match=re.escape("w has shape (5,), expected (4,)")):
         layernorm_forward(b32.randn(rng, B, T, C), b32.randn(rng, 5), b32.randn(rng, C))
+
+
+def test_logistic_labels_must_be_integer_zero_or_one_of_the_logits_shape(F):
+    with pytest.raises(TypeError, match="labels must be an integer array"):
+        logistic_forward(F(B, T), F(B, T))
+    with pytest.raises(ValueError, match="labels must be 0 or 1"):
+        logistic_forward(F(1, 3), F.ints([[0, 2, 1]]))
+    with pytest.raises(ValueError, match="labels must be 0 or 1"):
+        logistic_forward(F(1, 3), F.ints([[0, -1, 1]]))
+    with pytest.raises(ValueError, match=re.escape("labels has shape (2, 4) but logits has shape "
+                                                   "(2, 3): expected one label per logit")):
+        logistic_forward(F(B, T), F.int(2, B, 4))

@@ -68,6 +68,7 @@ from gptlab.layers.gqa import (
 )
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
 from gptlab.layers.linear import linear_backward, linear_forward
+from gptlab.layers.logistic import logistic_backward, logistic_forward
 from gptlab.layers.mlp import mlp_backward, mlp_forward
 from gptlab.layers.moe import moe_backward, moe_forward
 from gptlab.layers.position_learned import position_learned_backward, position_learned_forward
@@ -423,6 +424,11 @@ CASES = [
          {**LLAMA_BLOCK, "ln_order": "post", "dropout": 0.25, "seed": 3}),
     Case("block_moe_pair", *MOE_BLOCK_PAIR, lambda rng: _variant_block_args(rng, **MOE_BLOCK),
          MOE_BLOCK),
+    # issue 15: the quality classifier's loss (sigmoid + binary cross-entropy)
+    Case("logistic", logistic_forward, logistic_backward,
+         lambda rng: (3 * _normal(rng, B, T), _ids(rng, 2, B, T))),
+    Case("logistic_column", logistic_forward, logistic_backward,
+         lambda rng: (20 * _normal(rng, 7, 1), _ids(rng, 2, 7, 1))),
 ]  # fmt: skip
 CASE_IDS = [case.id for case in CASES]
 
@@ -1314,3 +1320,34 @@ def test_llama_blocks_match_hugging_face(monkeypatch, rng):
     for ours, theirs in ((q, q_hf), (k, k_hf)):
         y, _ = rope_forward(ours, base=500.0, start=start)  # rotate_half, the default
         np.testing.assert_allclose(y, theirs.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 15: the logistic loss against torch's binary cross-entropy
+
+
+@pytest.mark.parametrize("scale", [1.0, 50.0])
+def test_logistic_matches_torch_bce_with_logits(backend, rng, scale):
+    """Forward and backward equal torch.nn.functional.binary_cross_entropy_with_logits (plain
+    float64 torch and its autograd), also far out in the tails where a naive log(sigmoid) fails."""
+    logits, labels = scale * rng.standard_normal((4, 5)), rng.integers(0, 2, size=(4, 5))
+    loss, cache = logistic_forward(backend.asarray(logits), backend.asarray(labels))
+    (dlogits,) = logistic_backward(1.0, cache)
+    leaf = torch.tensor(logits, requires_grad=True)
+    want = torch.nn.functional.binary_cross_entropy_with_logits(leaf, torch.tensor(labels * 1.0))
+    want.backward()
+    np.testing.assert_allclose(float(loss), want.item(), rtol=1e-12)
+    np.testing.assert_allclose(to_host(dlogits), leaf.grad.numpy(), rtol=1e-12, atol=1e-15)
+
+
+def test_logistic_is_two_class_cross_entropy(backend, rng):
+    """sigmoid + BCE of z equals softmax cross-entropy of the two logits [0, z], and dz is the
+    gradient of the second logit."""
+    z, y = rng.standard_normal((3, 4)), rng.integers(0, 2, size=(3, 4))
+    loss, cache = logistic_forward(backend.asarray(z), backend.asarray(y))
+    pair = np.stack([np.zeros_like(z), z], axis=-1)  # (3, 4, 2)
+    ce, ce_cache = cross_entropy_forward(backend.asarray(pair), backend.asarray(y))
+    np.testing.assert_allclose(float(loss), float(ce), rtol=1e-12)
+    (dz,) = logistic_backward(1.0, cache)
+    (dpair,) = cross_entropy_backward(1.0, ce_cache)
+    np.testing.assert_allclose(to_host(dz), to_host(dpair)[..., 1], rtol=1e-12, atol=1e-15)

@@ -31,6 +31,7 @@ from gptlab.layers.block import block_backward, block_forward, block_param_shape
 from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gptlab.layers.gqa import gqa_attention_backward, gqa_attention_forward, gqa_backward, gqa_forward
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
+from gptlab.layers.logistic import logistic_backward, logistic_forward
 from gptlab.layers.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gptlab.layers.rope import ROPE_PAIRINGS, rope_backward, rope_forward
 from gptlab.layers.moe import moe_backward, moe_forward
@@ -664,3 +665,29 @@ def test_moe_without_drops_does_not_depend_on_token_order(s, data):
                                atol=1e-13)  # fmt: skip
     for grad, grad_perm in zip(grads[1:], grads_perm[1:]):
         np.testing.assert_allclose(grad_perm, grad, rtol=1e-11, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 15: the logistic loss (sigmoid + binary cross-entropy)
+
+
+@fast()
+@given(shape=hnp.array_shapes(min_dims=1, max_dims=3, max_side=4),
+       scale=st.sampled_from([1.0, 5.0]), seed=st.integers(0, 2**16), backend_name=backends)
+def test_logistic_over_shapes_matches_finite_differences_and_its_symmetries(shape, scale, seed,
+                                                                           backend_name):
+    """Any shape: the backward matches finite differences; the loss is positive, log 2 at z = 0,
+    and unchanged when both the logits and the labels flip. (Saturated logits, where every
+    gradient is below round-off, are tested against torch in test_layers.py.)"""
+    backend = get_backend(backend_name)
+    rng = np.random.default_rng(seed)
+    z, y = scale * rng.standard_normal(shape), rng.integers(0, 2, size=shape)
+    result = check_layer(logistic_forward, logistic_backward, backend.asarray(z),
+                         backend.asarray(y))
+    result.assert_ok(TOL)
+    loss = float(logistic_forward(backend.asarray(z), backend.asarray(y))[0])
+    flipped = float(logistic_forward(backend.asarray(-z), backend.asarray(1 - y))[0])
+    at_zero = float(logistic_forward(backend.asarray(0.0 * z), backend.asarray(y))[0])
+    assert loss > 0 and np.isfinite(loss)
+    assert flipped == pytest.approx(loss, rel=1e-12)
+    assert at_zero == pytest.approx(np.log(2.0), rel=1e-12)
