@@ -57,6 +57,12 @@ def train_rank(mode: str, cfg: GPTConfig, steps: int, B: int, T: int, dtype: str
     return losses, model.full_params(), norms
 
 
+def train_modes(modes: dict, cfg: GPTConfig, steps: int, B: int, T: int, dtype: str = "float64"):
+    """One rank: ``train_rank`` for every mode of ``modes`` ({name: options}) -> {name: result}."""
+    return {name: train_rank(name, cfg, steps, B, T, dtype, options)
+            for name, options in modes.items()}  # fmt: skip
+
+
 def tensor_parallel_step(cfg: GPTConfig, B: int, T: int):
     """One rank: one forward and backward of ``TensorParallel`` in float64 on ``batch`` ->
     (loss, the gradients gathered whole, the shapes of this rank's parameters)."""
