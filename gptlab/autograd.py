@@ -3,7 +3,8 @@
 ``as_function(forward, backward)`` turns a layer pair into a function of torch tensors whose
 ``.backward()`` runs OUR backward, so any torch optimizer (on CPU or CUDA) is driven by the
 formulas of the book. Every layer of ``gptlab.layers`` comes ready-wrapped under its own name
-(``linear``, ``layernorm``, ..., ``sdpa``, ``block``, ``cross_entropy``, ``router``, ``moe``); a
+(``linear``, ``layernorm``, ..., ``sdpa``, ``block``, ``cross_entropy``, ``router``, ``moe``, the
+preference losses ``bradley_terry``, ``dpo``, ``ppo``, ``value_loss``); a
 boolean input (the mask of ``sdpa``) gets no gradient, like an integer one. A layer whose output
 is a pair (``moe`` and ``router`` return ``(y, aux)`` and ``(gates, aux)``) returns both tensors,
 and its backward gets both gradients. ``gpt_loss`` / ``gpt_logits`` and the
@@ -115,7 +116,8 @@ LAYERS = ("linear", "layernorm", "gelu", "relu", "softmax", "dropout", "embeddin
           "position_learned", "position_sinusoidal", "sdpa", "attention", "attention_single",
           "mlp", "block", "cross_entropy",
           "rmsnorm", "silu", "swiglu", "rope", "gqa", "router", "moe",
-          "logistic")  # fmt: skip
+          "logistic",
+          "token_logprobs", "bradley_terry", "dpo", "ppo", "value_loss")  # fmt: skip
 
 
 def _wrap(name: str):

@@ -13,6 +13,7 @@ import sys
 import typing
 from dataclasses import Field, fields
 
+from .parallel.launch import LaunchFailed
 from .train import TrainConfig, TrainingDiverged, train
 
 TRAIN_GROUPS = {
@@ -26,6 +27,7 @@ TRAIN_GROUPS = {
     "evaluation and checkpoints": ("eval_interval", "eval_iters", "log_format", "out_dir",
                                    "checkpoint_interval", "resume"),
     "runtime": ("backend", "device", "dtype", "threads", "seed"),
+    "parallel": ("parallel", "nproc", "accum_steps"),
 }
 ALIASES = {"lr": ("--learning-rate",)}  # the names other trainers (Hugging Face's) use
 
@@ -129,9 +131,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run_train(args: argparse.Namespace) -> int:
     try:
         result = train(config_from_args(args), progress=not args.quiet)
-    except TrainingDiverged as err:
+    except (TrainingDiverged, LaunchFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    if result is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     last = result.history[-1]
     print(f"step {last['step']}: train loss {last['train_loss']:.4f}, "
           f"val loss {last['val_loss']:.4f}; checkpoint {result.checkpoint_path}, "
@@ -140,10 +144,10 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_sample(args: argparse.Namespace) -> int:
-    from .checkpoint import load_run_checkpoint
+    from .parallel.checkpoint import load_run
     from .sample import generate
 
-    ckpt = load_run_checkpoint(args.checkpoint, backend=args.backend, device=args.device)
+    ckpt = load_run(args.checkpoint, backend=args.backend, device=args.device)
     prompt_ids = ckpt.tokenizer.encode(args.prompt)
     ids = generate(ckpt.params, ckpt.model_config, prompt_ids, args.max_new_tokens,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from .backend import array_namespace, convert
+from .backend import array_device, array_namespace, convert
 from .checks import require_float, require_ids_in_range, require_int
 from .config import GPTConfig
 from .layers.block import (
@@ -171,6 +171,21 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
             raise ValueError(f"targets has shape {tuple(targets.shape)}, idx has {tuple(idx.shape)}")
     training = cfg.dropout > 0.0 and dropout_seed is not None
     cache = {"cfg": cfg, "training": training}
+    seed = dropout_seed if training else None
+    x = embed_forward(params, idx, cfg, cache, seed)  # (B, T, C)
+    cache["blocks"], aux_losses = [], []
+    for layer in range(cfg.n_layer):
+        p = block_params(params, layer)
+        x, aux, block_cache = layer_forward(x, p, cfg, layer, seed)  # (B, T, C), aux or None
+        aux_losses.append(aux)
+        cache["blocks"].append(block_cache)
+    logits, loss = head_forward(params, x, cfg, cache, targets, aux_losses)  # (B, T, V)
+    return logits, loss, cache
+
+
+def embed_forward(params: dict, idx, cfg: GPTConfig, cache: dict, dropout_seed=None):
+    """x0 = wte[idx] + position (B, T, C), dropped out when ``dropout_seed`` is given (then
+    ``cache["training"]`` must be True); the backward's state goes into ``cache``."""
     tok, cache["wte"] = embedding_forward(idx, params["wte.weight"])  # (B, T, C)
     if cfg.position == "learned":
         x, cache["wpe"] = position_learned_forward(tok, params["wpe.weight"])  # (B, T, C)
@@ -178,38 +193,70 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
         x, cache["wpe"] = position_sinusoidal_forward(tok)  # (B, T, C)
     else:
         x = tok  # (B, T, C) rope: the positions turn q and k inside every attention
-    if training:
+    if dropout_seed is not None:
         x, cache["drop"] = dropout_forward(x, p=cfg.dropout, seed=dropout_seed)  # (B, T, C)
-    opts = block_options(cfg)
-    cache["blocks"], aux_losses = [], []
-    for layer in range(cfg.n_layer):
-        seed = None if not training else dropout_seed + 2 * (layer + 1)
-        x, block_cache = block_forward(x, block_params(params, layer), **opts, seed=seed)  # (B,T,C)
-        if cfg.mlp == "moe":
-            x, aux = x  # a block of experts returns its load-balancing loss too
-            aux_losses.append(aux)
-        cache["blocks"].append(block_cache)
-    xf, cache["ln_f"] = block_norm(x, params, "ln_f", opts)  # (B, T, C)
+    return x
+
+
+def layer_forward(x, p: dict, cfg: GPTConfig, layer: int, dropout_seed=None):
+    """Block ``layer`` with its parameters ``p`` (``block_params``): x (B, T, C) ->
+    (y (B, T, C), aux (a MoE block's load-balancing loss) or None, the block's cache)."""
+    seed = None if dropout_seed is None else dropout_seed + 2 * (layer + 1)
+    y, block_cache = block_forward(x, p, **block_options(cfg), seed=seed)  # (B, T, C)
+    if cfg.mlp == "moe":
+        return (*y, block_cache)  # a block of experts returns its load-balancing loss too
+    return y, None, block_cache
+
+
+def head_forward(params: dict, x, cfg: GPTConfig, cache: dict, targets=None, aux_losses=()):
+    """x_L (B, T, C) -> (logits (B, T, V), loss or None): LN_f, the head, the cross-entropy plus
+    the blocks' load-balancing losses ``aux_losses`` (None entries are skipped)."""
+    xf, cache["ln_f"] = block_norm(x, params, "ln_f", block_options(cfg))  # (B, T, C)
     head = head_weight(params, cfg)  # (C, V), GPT-2's is wte^T
     logits = xf @ head  # (B, T, V)
-    cache["xf"], cache["head"], cache["wte.weight"] = xf, head, params["wte.weight"]
+    cache["xf"], cache["head"] = xf, head
+    if cfg.tie_embeddings:
+        cache["wte.weight"] = params["wte.weight"]
     loss = None
     if targets is not None:
         loss, cache["loss"] = cross_entropy_forward(logits, targets)  # ()
+        aux_losses = [aux for aux in aux_losses if aux is not None]
         if aux_losses:
             cache["aux_loss"] = sum(aux_losses)  # ()
             loss = loss + cache["aux_loss"]  # ()
-    return logits, loss, cache
+    return logits, loss
 
 
-def gpt_backward(cache, dlogits=None) -> dict:
-    """Gradients of the loss (or of sum(logits * dlogits)) for every parameter, by name.
+def gpt_backward(cache, dlogits=None, dxf=None) -> dict:
+    """Gradients of the loss (or of sum(logits * dlogits) + sum(xf * dxf)) for every parameter.
 
-    Without ``dlogits`` the forward must have been given targets: the backward starts from
-    dloss = 1 (which reaches every block's load-balancing loss too, daux = 1).
+    Without ``dlogits`` and ``dxf`` the forward must have been given targets: the backward starts
+    from dloss = 1 (which reaches every block's load-balancing loss too, daux = 1). ``dxf``
+    (B, T, C) is the gradient arriving at the final hidden states ``cache["xf"]`` from a head of
+    the caller's own (a reward or value head); alone, it stands for dlogits = 0.
+    """
+    grads = {}
+    for part in backward_parts(cache, dlogits, dxf):
+        grads.update(part)
+    return {name: grads[name] for name in param_shapes(cache["cfg"])}
+
+
+def backward_parts(cache: dict, dlogits=None, dxf=None, block_cache=None):
+    """gpt_backward one part at a time: yields the final gradients of LN_f (and lm_head), then
+    of each block from the last to the first, then of the embeddings (wte with the tied head's
+    share). A data-parallel step sends each part's gradients off as soon as it is yielded.
+    ``dlogits`` and ``dxf`` as in ``gpt_backward``.
+
+    ``block_cache(layer)``: the cache of block ``layer`` (default ``cache["blocks"][layer]``);
+    ZeRO 3 passes one that gathers the block's weights and runs its forward again.
     """
     cfg = cache["cfg"]
-    daux = 0.0 if dlogits is not None else 1.0  # loss = cross_entropy + sum of the blocks' aux
+    # loss = cross_entropy + sum of the blocks' aux: daux = 1 only when starting from the loss
+    daux = 1.0 if dlogits is None and dxf is None else 0.0
+    if dlogits is None and dxf is not None:
+        xp = array_namespace(dxf)
+        dlogits = xp.zeros((*dxf.shape[:-1], cache["head"].shape[1]), dtype=dxf.dtype,
+                           device=array_device(dxf))  # (B, T, V) no loss on the logits
     if dlogits is None:
         if "loss" not in cache:
             raise ValueError("gpt_backward needs the forward to have computed a loss (pass "
@@ -220,19 +267,23 @@ def gpt_backward(cache, dlogits=None) -> dict:
     xf, head = cache["xf"], cache["head"]
     C, V = head.shape
     # logits = xf @ head
-    dxf = dlogits @ head.mT  # (B, T, C)
-    if cfg.tie_embeddings:  # head = wte^T: the head's share of dwte
+    dxf = dlogits @ head.mT if dxf is None else dlogits @ head.mT + dxf  # (B, T, C)
+    if cfg.tie_embeddings:  # head = wte^T: the head's share of dwte, added at the end
         dwte_head = xp.reshape(dlogits, (-1, V)).mT @ xp.reshape(xf, (-1, C))  # (V, C)
     else:
         grads["lm_head.weight"] = xp.reshape(xf, (-1, C)).mT @ xp.reshape(dlogits, (-1, V))  # (C,V)
     # xf = LN_f(x)
     dx, dln_f = part_backward(dxf, cache["ln_f"])  # (B, T, C)
     grads.update(dln_f)
+    yield grads
+    del xf, head  # the head is done: ZeRO 3 frees its gathered weights now
     for layer in reversed(range(cfg.n_layer)):
         # x = block(x), or (x, aux) = block(x) with experts
         dout = (dx, daux) if cfg.mlp == "moe" else dx
-        dx, dblock = block_backward(dout, cache["blocks"][layer])  # (B, T, C)
-        grads.update({f"h.{layer}.{name}": g for name, g in dblock.items()})
+        block = cache["blocks"][layer] if block_cache is None else block_cache(layer)
+        dx, dblock = block_backward(dout, block)  # (B, T, C)
+        yield {f"h.{layer}.{name}": g for name, g in dblock.items()}
+    grads = {}
     if cache["training"]:
         (dx,) = dropout_backward(dx, cache["drop"])  # (B, T, C)
     # x = tok + position
@@ -245,7 +296,7 @@ def gpt_backward(cache, dlogits=None) -> dict:
     # tok = wte[idx]: the embedding's share of dwte; a tied matrix sums the grads of both uses
     (dwte_embed,) = embedding_backward(dtok, cache["wte"])  # (V, C)
     grads["wte.weight"] = dwte_embed + dwte_head if cfg.tie_embeddings else dwte_embed  # (V, C)
-    return {name: grads[name] for name in param_shapes(cfg)}
+    yield grads
 
 
 def loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, *, dropout_seed=None):
@@ -258,4 +309,5 @@ def loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, *, dropout_seed=N
 __all__ = [
     "GPTConfig", "param_shapes", "count_params", "init_params", "block_params", "block_options",
     "head_weight", "check_params", "gpt_forward", "gpt_backward", "loss_and_grads",
+    "embed_forward", "layer_forward", "head_forward", "backward_parts",
 ]  # fmt: skip

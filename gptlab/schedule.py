@@ -73,14 +73,15 @@ def global_norm(grads: dict) -> float:
     return math.sqrt(total)
 
 
-def clip_grad_norm(grads: dict, max_norm: float) -> float:
+def clip_grad_norm(grads: dict, max_norm: float, norm: float | None = None) -> float:
     """Scale ``grads`` in place (the dict's entries are replaced) to a global norm <= max_norm.
 
     Returns the norm before clipping. Like torch.nn.utils.clip_grad_norm_, the factor is
     max_norm / (norm + 1e-6), applied only when it is below 1. A non-finite norm is returned as
-    it is and the grads are left alone: the caller decides what divergence means.
+    it is and the grads are left alone: the caller decides what divergence means. ``norm``: the
+    global norm when ``grads`` hold only a part of the gradient (a shard of a parallel run).
     """
-    total_norm = global_norm(grads)
+    total_norm = global_norm(grads) if norm is None else norm
     coef = max_norm / (total_norm + 1e-6)
     if math.isfinite(total_norm) and coef < 1.0:
         for name in grads:

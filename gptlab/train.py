@@ -15,6 +15,13 @@ function of ``seed`` (batches from a saved ``numpy.random.Generator``, dropout f
 evaluation batches fixed per split), so a run stopped at a checkpoint and resumed ends with the
 same weights as a run that never stopped.
 
+The loop drives a parallel mode (``gptlab.parallel``; one process is a mode of one rank):
+``loss, g = mode.loss_and_grads(x, y)`` on the global batch, the norm from ``mode.grad_norm``
+and ``mode.params = AdamW(mode.params, g)``. ``parallel="ddp"`` or ``"zero1"``-``"zero3"`` with
+``nproc`` processes (or under torchrun) trains the same model on many ranks; every rank draws the
+same global batch and takes its share. Checkpoints of parallel runs are sharded, and any run
+resumes from any checkpoint, whatever the mode and world size that wrote it.
+
 Book: chapter "Training".
 """
 
@@ -30,16 +37,21 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .checkpoint import STATE_FILE, load_run_checkpoint, read_state, save_run_checkpoint
+from .checkpoint import STATE_FILE, read_state, save_run_checkpoint
 from .config import GELU_ALIASES, GELU_FORMS, MLPS, NORMS, POSITIONS, GPTConfig
 from .data import EMBEDDED, get_batch, load_text, split_train_val
 from .model import gpt_forward, init_params, loss_and_grads
 from .optim import SGD, AdamW, matrices_and_positions, matrices_only
-from .schedule import SCHEDULES, clip_grad_norm, global_norm, make_schedule
+from .parallel import MODES, mode_class
+from .parallel.base import Replicated, clipped_grads, rank_and_world
+from .parallel.checkpoint import load_run, save_sharded, shard_optimizer_state
+from .parallel.launch import init_process_group, launch, under_launcher
+from .schedule import SCHEDULES, make_schedule
 from .bpe import ByteBPETokenizer
 from .tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 
 LOG_FIELDS = ("step", "lr", "train_loss", "val_loss")
+PARALLEL_CHOICES = ("none", *(name for name in MODES if name != "single"))
 
 
 class TrainingDiverged(RuntimeError):
@@ -143,6 +155,14 @@ class TrainConfig:
     threads: int | None = setting(None, "CPU threads torch uses during the run; none: torch's "
                                   "default")
     seed: int = setting(1337, "seed of the initialisation, the batches and dropout")
+    # parallel training (gptlab.parallel)
+    parallel: str = setting("none", "none: one process; ddp: data parallel; zero1, zero2, zero3: "
+                            "ZeRO's stages; tensor, pipeline: the model split over the ranks",
+                            choices=PARALLEL_CHOICES)
+    nproc: int = setting(1, "processes a parallel run starts on this machine with torch's "
+                         "elastic launcher (under torchrun: ignored, torchrun starts them)")
+    accum_steps: int = setting(1, "micro-steps per update of a parallel run (gradient "
+                               "accumulation): batch_size splits over ranks x micro-steps")
 
     def __post_init__(self):
         self.betas = tuple(float(b) for b in self.betas)  # JSON gives a list
@@ -154,7 +174,8 @@ class TrainConfig:
             allowed = f.metadata["choices"]
             if allowed is not None and value not in allowed:
                 raise ValueError(f"TrainConfig.{f.name} must be one of {allowed}, got {value!r}")
-        for name in ("batch_size", "max_iters", "eval_interval", "eval_iters"):
+        for name in ("batch_size", "max_iters", "eval_interval", "eval_iters", "nproc",
+                     "accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
@@ -166,6 +187,12 @@ class TrainConfig:
             raise ValueError(f"the numpy backend runs on the CPU only, got device {self.device!r}")
         if self.backend == "autograd" and self.dropout > 0.0:
             raise ValueError("the autograd reference model has no dropout: use dropout=0")
+        if self.parallel != "none" and self.backend != "torch":
+            raise ValueError(f"parallel={self.parallel!r} runs the hand-written backward on "
+                             f"torch tensors: use backend='torch', not {self.backend!r}")
+        if self.parallel == "none" and (self.nproc > 1 or self.accum_steps > 1):
+            raise ValueError("nproc > 1 and accum_steps > 1 need a parallel mode (--parallel "
+                             "ddp, zero1, ...)")
         if len(self.betas) != 2:
             raise ValueError(f"TrainConfig.betas must be two numbers, got {self.betas!r}")
         self.model_config(vocab_size=1)  # validates the model fields now, not mid-run
@@ -213,10 +240,10 @@ def dropout_seed(seed: int, step: int) -> int:
 
 
 def _loss_functions(cfg: TrainConfig, model_cfg: GPTConfig):
-    """(loss_and_grads(params, x, y, step) -> (float, grads), loss(params, x, y) -> float)."""
+    """(loss_and_grads(params, x, y, dropout_seed) -> (float, grads),
+    loss(params, x, y) -> float)."""
     if cfg.backend != "autograd":
-        def train_loss(params, x, y, step):
-            seed = dropout_seed(cfg.seed, step)
+        def train_loss(params, x, y, seed):
             return loss_and_grads(params, x, y, model_cfg, dropout_seed=seed)
 
         def eval_loss(params, x, y):
@@ -228,7 +255,7 @@ def _loss_functions(cfg: TrainConfig, model_cfg: GPTConfig):
 
     from .reference.torch_gpt import reference_forward
 
-    def train_loss(params, x, y, step):
+    def train_loss(params, x, y, seed):
         leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
         _, loss = reference_forward(leaves, x, model_cfg, y, training=True)
         loss.backward()
@@ -239,6 +266,24 @@ def _loss_functions(cfg: TrainConfig, model_cfg: GPTConfig):
             return float(reference_forward(params, x, model_cfg, y)[1])
 
     return train_loss, eval_loss
+
+
+class _OneProcess(Replicated):
+    """The one-process run as a parallel mode of one rank (any backend, the autograd path too),
+    so that the loop drives every run the same way."""
+
+    def __init__(self, params: dict, train_loss):
+        self.params, self.train_loss = params, train_loss
+
+    def loss_and_grads(self, idx, targets, *, dropout_seed=None):
+        return self.train_loss(self.params, idx, targets, dropout_seed)
+
+
+def _make_mode(cfg: TrainConfig, model_cfg: GPTConfig, params: dict, train_loss):
+    if cfg.parallel == "none":
+        return _OneProcess(params, train_loss)
+    options = {"accum_steps": cfg.accum_steps} if cfg.accum_steps > 1 else {}
+    return mode_class(cfg.parallel)(model_cfg, params, **options)
 
 
 def make_optimizer(cfg: TrainConfig, params: dict):
@@ -289,13 +334,23 @@ def plot_losses(source, ax=None):
     return ax
 
 
-def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
+def train(cfg: TrainConfig, progress: bool = True) -> TrainResult | None:
     """Train (or, with ``cfg.resume``, continue) a GPT as ``cfg`` says; see the module docstring.
     With ``cfg.threads``, torch runs on that many CPU threads, and on its previous count after.
+
+    A parallel run (``cfg.parallel``) starts ``cfg.nproc`` processes with torch's elastic
+    launcher (one thread each unless ``cfg.threads``) and returns rank 0's result. Under
+    torchrun (or inside such a process) this process is one rank: it opens the process group
+    and returns its result on rank 0, None on the others. Rank 0 alone writes the log and shows
+    progress; every rank writes its shard of the checkpoints (``gptlab.parallel.checkpoint``).
 
     Raises TrainingDiverged when the loss or gradient norm is not finite, before the update is
     applied, so the last checkpoint on disk stays the last good one.
     """
+    if cfg.parallel != "none" and not under_launcher():
+        mode_class(cfg.parallel)  # a mode this gptlab lacks is an error here, before the launch
+        return launch(_train_rank, cfg.nproc, asdict(cfg), progress, threads=cfg.threads or 1,
+                      device=cfg.device)[0]
     if cfg.threads is None:
         return _train(cfg, progress)
     import torch
@@ -308,8 +363,17 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         torch.set_num_threads(threads_before)
 
 
-def _train(cfg: TrainConfig, progress: bool) -> TrainResult:
+def _train_rank(settings: dict, progress: bool):
+    """One rank of ``train``'s launch (a module-level function: the launcher pickles it)."""
+    return train(TrainConfig(**settings), progress)
+
+
+def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
     """The run of ``train``, on the threads torch has now."""
+    if cfg.parallel != "none":
+        init_process_group(device=cfg.device)
+    rank, world_size = rank_and_world()
+    lead = rank == 0  # the rank that writes the log and shows progress
     out_dir = Path(cfg.out_dir)
     log_path = out_dir / f"log.{cfg.log_format}"
     text = load_text(cfg.data)
@@ -319,8 +383,7 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult:
     rng = np.random.default_rng(cfg.seed)  # batch offsets; its state is checkpointed
 
     if cfg.resume:
-        ckpt = load_run_checkpoint(out_dir, backend=cfg.array_backend, dtype=cfg.dtype,
-                                   device=device)
+        ckpt = load_run(out_dir, backend=cfg.array_backend, dtype=cfg.dtype, device=device)
         tokenizer, params, step = ckpt.tokenizer, ckpt.params, ckpt.step
         model_cfg = cfg.model_config(tokenizer.vocab_size)
         if ckpt.model_config != model_cfg:
@@ -328,8 +391,6 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult:
                              f"the config asks for {model_cfg}")
         if ckpt.state["data_sha256"] != data_sha256:
             raise ValueError(f"cannot resume {out_dir}: it was trained on other data than {source}")
-        optimizer = make_optimizer(cfg, params)
-        optimizer.load_state_dict(ckpt.optimizer_state)
         rng.bit_generator.state = ckpt.state["batch_rng_state"]
         history = ckpt.state["history"]
         checkpoint_path = out_dir / STATE_FILE
@@ -338,19 +399,25 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult:
         model_cfg = cfg.model_config(tokenizer.vocab_size)
         params = init_params(model_cfg, seed=cfg.seed, backend=cfg.array_backend,
                              dtype=cfg.dtype, device=device)
-        optimizer = make_optimizer(cfg, params)
         step, history, checkpoint_path = 0, [], None
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / STATE_FILE).unlink(missing_ok=True)  # a fresh run supersedes an old checkpoint
+        if lead:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / STATE_FILE).unlink(missing_ok=True)  # a fresh run supersedes an old one
+
+    train_loss, eval_loss = _loss_functions(cfg, model_cfg)
+    mode = _make_mode(cfg, model_cfg, params, train_loss)
+    optimizer = make_optimizer(cfg, mode.params)
+    if cfg.resume:  # moments saved whole, cut to this mode's layout
+        optimizer.load_state_dict(shard_optimizer_state(mode, ckpt.optimizer_state))
 
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)  # (N,)
     train_ids, val_ids = split_train_val(ids, cfg.block_size, cfg.val_fraction, source)
     lr_at = make_schedule(cfg.lr_schedule, lr=cfg.lr, min_lr=cfg.min_lr,
                           warmup_iters=cfg.warmup_iters,
                           decay_iters=cfg.lr_decay_iters or cfg.max_iters)
-    train_loss, eval_loss = _loss_functions(cfg, model_cfg)
 
     def evaluate(step: int) -> dict:
+        params = mode.full_params()  # every rank evaluates the same batches on the same weights
         row = {"step": step, "lr": lr_at(step)}
         for split, data, index in (("train", train_ids, 1), ("val", val_ids, 2)):
             eval_rng = np.random.default_rng([cfg.seed, index])  # the same batches every time
@@ -359,18 +426,30 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult:
                       for _ in range(cfg.eval_iters)]
             row[f"{split}_loss"] = sum(losses) / len(losses)
         history.append(row)
-        _write_log(log_path, cfg.log_format, [row], append=True)
+        if lead:
+            _write_log(log_path, cfg.log_format, [row], append=True)
         return row
 
-    _write_log(log_path, cfg.log_format, history, append=False)  # drops rows past the checkpoint
+    def save(step: int) -> Path:
+        extra = {"train_config": asdict(cfg), "batch_rng_state": rng.bit_generator.state,
+                 "history": history, "data_source": source, "data_sha256": data_sha256}
+        if cfg.parallel != "none":
+            return save_sharded(out_dir, step=step, mode=mode, optimizer=optimizer,
+                                tokenizer=tokenizer, model_config=model_cfg, extra=extra)
+        return save_run_checkpoint(out_dir, step=step, params=mode.params, optimizer=optimizer,
+                                   tokenizer=tokenizer, model_config=model_cfg, extra=extra)
+
+    if lead:
+        _write_log(log_path, cfg.log_format, history, append=False)  # drops rows past the ckpt
     if step == 0:
         evaluate(0)
-    bar = tqdm(total=cfg.max_iters, initial=step, disable=not progress, desc="train", unit="step")
+    bar = tqdm(total=cfg.max_iters, initial=step, disable=not (progress and lead), desc="train",
+               unit="step")
     while step < cfg.max_iters:
         lr = lr_at(step + 1)
         x, y = get_batch(train_ids, cfg.batch_size, cfg.block_size, rng, cfg.array_backend, device)
-        loss, grads = train_loss(params, x, y, step)
-        norm = clip_grad_norm(grads, cfg.grad_clip) if cfg.grad_clip > 0 else global_norm(grads)
+        seed = {"dropout_seed": dropout_seed(cfg.seed, step)} if cfg.dropout > 0.0 else {}
+        loss, grads, norm = clipped_grads(mode, x, y, cfg.grad_clip, **seed)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             bar.close()
             kept = (f"the checkpoint of step {read_state(out_dir)['step']} in {out_dir} is "
@@ -380,23 +459,21 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult:
                 f"(lr {lr:.3g}). Stopped before this update; {kept}. Try a lower lr, a longer "
                 "warmup or gradient clipping."
             )
-        params = optimizer.step(params, grads, lr=lr)
+        mode.params = optimizer.step(mode.params, grads, lr=lr)
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         if step % cfg.eval_interval == 0 or step == cfg.max_iters:
             row = evaluate(step)
-            if progress:
+            if progress and lead:
                 bar.write(f"step {step}: train {row['train_loss']:.4f}, val {row['val_loss']:.4f}")
         interval = cfg.checkpoint_interval
         if (interval > 0 and step % interval == 0) or step == cfg.max_iters:
-            checkpoint_path = save_run_checkpoint(
-                out_dir, step=step, params=params, optimizer=optimizer, tokenizer=tokenizer,
-                model_config=model_cfg,
-                extra={"train_config": asdict(cfg), "batch_rng_state": rng.bit_generator.state,
-                       "history": history, "data_source": source, "data_sha256": data_sha256},
-            )
+            checkpoint_path = save(step)
     bar.close()
+    params = mode.full_params()  # a collective in ZeRO 3: every rank takes part
+    if not lead:
+        return None
     return TrainResult(history, params, tokenizer, model_cfg, out_dir, log_path, checkpoint_path)
 
 

@@ -49,6 +49,8 @@ from gptlab.layers.attention_single import (
     attention_single_forward,
 )
 from gptlab.layers.block import block_backward, block_forward, block_param_shapes
+from gptlab.layers.bradley_terry import bradley_terry_backward, bradley_terry_forward
+from gptlab.layers.dpo import dpo_backward, dpo_forward
 from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gptlab.layers.dropout import dropout_backward, dropout_forward
 from gptlab.layers.embedding import (
@@ -71,6 +73,7 @@ from gptlab.layers.linear import linear_backward, linear_forward
 from gptlab.layers.logistic import logistic_backward, logistic_forward
 from gptlab.layers.mlp import mlp_backward, mlp_forward
 from gptlab.layers.moe import moe_backward, moe_forward
+from gptlab.layers.ppo import ppo_backward, ppo_forward
 from gptlab.layers.position_learned import position_learned_backward, position_learned_forward
 from gptlab.layers.position_sinusoidal import (
     position_sinusoidal_backward,
@@ -85,6 +88,8 @@ from gptlab.layers.sdpa import sdpa_backward, sdpa_forward
 from gptlab.layers.silu import silu_backward, silu_forward
 from gptlab.layers.softmax import softmax_backward, softmax_forward, softmax_jacobian
 from gptlab.layers.swiglu import swiglu_backward, swiglu_forward
+from gptlab.layers.token_logprobs import token_logprobs_backward, token_logprobs_forward
+from gptlab.layers.value_loss import value_loss_backward, value_loss_forward
 
 B, T, C, NH, V, BLOCK_SIZE, HS = 2, 3, 4, 2, 5, 5, 3  # tiny shapes: batch, time, width, ...
 TOL_FLOAT64 = 1e-7
@@ -299,6 +304,25 @@ def _variant_block_args(rng, *, n_head, n_kv_head=None, norm="layernorm", mlp="g
     return _normal(rng, B, T, C), p
 
 
+# issue 15, learning from preferences: the losses of the reward model, PPO and DPO
+PAIRS = 5  # preference pairs
+
+
+def _logprobs(rng, *shape):
+    """Negative numbers, like the log-probabilities of sampled answers."""
+    return -0.5 - np.abs(rng.standard_normal(shape))
+
+
+def _ppo_args(rng, clip_eps=0.2):
+    """logp, old_logp, advantages (B, T) with every ratio at least 0.05 away from the clip edges
+    1 - eps and 1 + eps, and every advantage at least 0.3 away from 0: no finite-difference step
+    then switches a branch of the min or the clip."""
+    old_logp = _logprobs(rng, B, T)
+    ratio = rng.choice([0.5, 1.0 - clip_eps - 0.1, 0.95, 1.05, 1.0 + clip_eps + 0.1, 1.8], (B, T))
+    advantages = _normal(rng, B, T)
+    return old_logp + np.log(ratio), old_logp, np.sign(advantages) * (0.3 + np.abs(advantages))
+
+
 CASES = [
     Case("embedding", embedding_forward, embedding_backward,
          lambda rng: (_ids(rng, V, B, T), _normal(rng, V, C))),
@@ -429,6 +453,16 @@ CASES = [
          lambda rng: (3 * _normal(rng, B, T), _ids(rng, 2, B, T))),
     Case("logistic_column", logistic_forward, logistic_backward,
          lambda rng: (20 * _normal(rng, 7, 1), _ids(rng, 2, 7, 1))),
+    # issue 15: learning from preferences (reward model, PPO, DPO)
+    Case("token_logprobs", token_logprobs_forward, token_logprobs_backward,
+         lambda rng: (2 * _normal(rng, B, T, V), _ids(rng, V, B, T))),
+    Case("bradley_terry", bradley_terry_forward, bradley_terry_backward,
+         lambda rng: (2 * _normal(rng, PAIRS), 2 * _normal(rng, PAIRS))),
+    Case("dpo", dpo_forward, dpo_backward,
+         lambda rng: tuple(4 * _logprobs(rng, PAIRS) for _ in range(4)), {"beta": 0.5}),
+    Case("ppo", ppo_forward, ppo_backward, _ppo_args, {"clip_eps": 0.2}),
+    Case("value_loss", value_loss_forward, value_loss_backward,
+         lambda rng: (_normal(rng, B, T), _normal(rng, B, T))),
 ]  # fmt: skip
 CASE_IDS = [case.id for case in CASES]
 
