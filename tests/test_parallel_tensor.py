@@ -116,7 +116,7 @@ def test_parallel_layers_at_world_size_one_equal_the_layers():
             np.testing.assert_allclose(g, g_ref, rtol=0, atol=1e-13)
 
 
-# --- two ranks: the parallel layers against the single-process layers ------------------------------
+# --- two ranks: the parallel layers against the single-process layers ---------------------------
 
 LAYER_NAMES = {"w_attn": "attn.c_attn.weight", "b_attn": "attn.c_attn.bias",
                "w_proj": "attn.c_proj.weight", "w_fc": "mlp.c_fc.weight",

@@ -16,10 +16,10 @@ import torch
 from ..config import GPTConfig
 from ..model import init_params, loss_and_grads
 from ..optim import AdamW
+from . import mode_class
 from .pipeline import SCHEDULES, PipelineParallel
 from .tensor import TensorParallel
 
-MODES = {"tensor": TensorParallel, "pipeline": PipelineParallel}
 LR = 1e-3
 
 
@@ -44,10 +44,10 @@ def train_single(cfg: GPTConfig, steps: int, B: int, T: int, dtype: str = "float
 
 def train_rank(mode: str, cfg: GPTConfig, steps: int, B: int, T: int, dtype: str = "float64",
                options: dict | None = None):  # fmt: skip
-    """One rank of ``mode`` ("tensor" or "pipeline", with ``options``) for ``steps`` updates on
-    the same batches as ``train_single`` -> (losses, full params, the mode's grad norms)."""
+    """One rank of ``mode`` (a name of ``gptlab.parallel.MODES``, with ``options``) for ``steps``
+    updates on the batches of ``train_single`` -> (losses, full params, the mode's grad norms)."""
     params = init_params(cfg, seed=0, backend="torch", dtype=dtype)
-    model = MODES[mode](cfg, params, **(options or {}))
+    model = mode_class(mode)(cfg, params, **(options or {}))
     optimizer, losses, norms = AdamW(model.params, lr=LR), [], []
     for step in range(steps):
         loss, grads = model.loss_and_grads(*batch(cfg, B, T, seed=step))

@@ -37,7 +37,8 @@ from ..layers.embedding import embedding_backward, embedding_forward
 from ..layers.linear import linear_backward, linear_forward
 from ..layers.position_learned import position_learned_backward, position_learned_forward
 from ..model import block_options, block_params, check_params, head_weight, param_shapes
-from .tensor import all_reduce, group_rank, group_size
+from .base import accumulate, rank_and_world
+from .tensor import all_reduce
 
 # --- schedules -----------------------------------------------------------------------------------
 
@@ -173,7 +174,7 @@ class PipelineParallel:
             raise ValueError(f"n_micro must be a positive integer, got {n_micro!r}")
         check_params(params, cfg)
         self.cfg, self.group, self.n_micro = cfg, group, n_micro
-        self.stage, self.n_stages = group_rank(group), group_size(group)
+        self.stage, self.n_stages = rank_and_world(group)
         self.layers = split_layers(cfg.n_layer, self.n_stages)[self.stage]
         self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1
         self.schedule = SCHEDULES[schedule](self.n_stages, n_micro)
@@ -276,8 +277,7 @@ class PipelineParallel:
                     dist.recv(dout, following, group=self.group, tag=2 * j + 1)
                 start = time.perf_counter()
                 dx, micro_grads = self._backward(dout, held.pop(j))
-                for name, g in micro_grads.items():
-                    grads[name] = grads[name] + g if name in grads else g
+                accumulate(grads, micro_grads)
                 if not self.first:
                     sends.append(dist.isend(dx.contiguous(), previous, group=self.group,
                                             tag=2 * j + 1))  # fmt: skip

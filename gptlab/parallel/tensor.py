@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron-LM; Shoeybi et al. 2019): every matrix of a block split over W ranks.
+"""Tensor parallelism (Megatron-LM; Shoeybi et al. 2019): each matrix of a block split over W ranks.
 
 A matrix product Y = X A can be split two ways, and a block chains one of each:
 
@@ -49,23 +49,14 @@ from ..layers.linear import linear_backward, linear_forward
 from ..layers.mlp import mlp_backward, mlp_forward
 from ..layers.position_learned import position_learned_backward, position_learned_forward
 from ..model import block_params, check_params, param_shapes
+from .base import rank_and_world
 
-# --- the ranks of a group (one rank when torch.distributed is not initialized) ------------------
-
-
-def group_size(group=None) -> int:
-    """The number of ranks in ``group``; 1 outside torch.distributed (the plain functions)."""
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def group_rank(group=None) -> int:
-    """This process's rank in ``group``; 0 outside torch.distributed."""
-    return dist.get_rank(group) if dist.is_initialized() else 0
+# --- the all-reduce (nothing to do on one rank, or outside torch.distributed) -------------------
 
 
 def all_reduce(x, group=None, op=dist.ReduceOp.SUM):
-    """The sum (or max) of ``x`` over the ranks of ``group``, on every rank; x itself on one rank."""
-    if group_size(group) == 1:
+    """The sum (or max) of ``x`` over the ranks of ``group``, on every rank; x itself on one."""
+    if rank_and_world(group)[1] == 1:
         return x
     out = x.clone()  # all_reduce works in place: the input is left untouched
     dist.all_reduce(out, op=op, group=group)
@@ -256,9 +247,9 @@ def shard_rule(name: str) -> str:
     heads) or "replicated"."""
     if name == "wte.weight" or name.endswith("c_proj.weight"):
         return "rows"
-    if name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias"):
+    if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
         return "qkv"
-    if name.endswith("mlp.c_fc.weight") or name.endswith("mlp.c_fc.bias") or name == "lm_head.weight":
+    if name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")) or name == "lm_head.weight":
         return "columns"
     return "replicated"
 
@@ -276,7 +267,8 @@ def shard_param(name: str, full, rank: int, world_size: int):
     xp = array_namespace(full)
     C = full.shape[-1] // 3
     q, k, v = full[..., :C], full[..., C : 2 * C], full[..., 2 * C :]  # (..., C) each
-    return xp.concat([_columns(part, rank, world_size) for part in (q, k, v)], axis=-1)  # (..., 3C/W)
+    parts = [_columns(part, rank, world_size) for part in (q, k, v)]  # (..., C/W) each
+    return xp.concat(parts, axis=-1)  # (..., 3C/W)
 
 
 def _columns(full, rank: int, world_size: int):
@@ -306,7 +298,7 @@ class TensorParallel:
 
     def __init__(self, cfg: GPTConfig, params: dict, group=None):
         self.cfg, self.group = cfg, group
-        self.rank, self.world_size = group_rank(group), group_size(group)
+        self.rank, self.world_size = rank_and_world(group)
         check_tensor_config(cfg, self.world_size)
         check_params(params, cfg)
         self.params = self.shard(params)
@@ -440,5 +432,5 @@ __all__ = [
     "parallel_attention_forward", "parallel_attention_backward", "parallel_mlp_forward",
     "parallel_mlp_backward", "vocab_embedding_forward", "vocab_embedding_backward",
     "vocab_cross_entropy_forward", "vocab_cross_entropy_backward", "check_tensor_config",
-    "shard_rule", "shard_param", "unshard_param", "all_reduce", "group_size", "group_rank",
+    "shard_rule", "shard_param", "unshard_param", "all_reduce",
 ]  # fmt: skip
