@@ -28,6 +28,7 @@ complete checkpoint.
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from datetime import timedelta
 
@@ -37,6 +38,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 COLLECTIVE_TIMEOUT_S = 120.0  # a collective whose peers are gone fails after this long
+# The elastic agent installs its own handlers for these in the calling process; launch() puts
+# the caller's back (a Jupyter kernel would otherwise die with SignalException when shut down).
+AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 class LaunchFailed(RuntimeError):
@@ -84,12 +88,16 @@ def launch(fn, nproc: int, *args, threads: int | None = 1, timeout_s: float = CO
                           run_id=uuid.uuid4().hex, rdzv_backend="c10d",
                           rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1", max_restarts=0,
                           monitor_interval=monitor_interval, start_method="spawn")
+    handlers = {number: signal.getsignal(number) for number in AGENT_SIGNALS}
     try:
         results = elastic_launch(config, _worker)(fn, args, threads, timeout_s, device)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         raise LaunchFailed(f"rank {rank} of {nproc} failed, so the run was stopped: "
                            f"{_describe(failure)}") from err
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
     return [results[rank] for rank in range(nproc)]
 
 
