@@ -37,8 +37,11 @@ RAW_MATH = [r"$$", r"\begin{", r"\(", r"\["]
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]
 
 # TeX that MathJax should have typeset, as a pattern: the markers above, and a TeX command left
-# in the prose (`\mathbf`, `\frac`), which is what an unparsed `$...$` shows.
-RAW_TEX = re.compile("|".join(re.escape(raw) for raw in RAW_MATH) + r"|\\[a-zA-Z]{2,}\b(?=[{_^ \\]|$)")
+# in the prose (`\mathbf{x}`, `\frac`), which is what math MyST did not recognise shows.
+TEX_COMMANDS = ("mathbf", "mathrm", "mathcal", "boldsymbol", "operatorname", "text", "frac", "sqrt", "sum",
+                "prod", "left", "right", "cdot", "times", "top", "partial", "nabla", "odot", "otimes", "log",
+                "exp", "alpha", "beta", "gamma", "sigma", "theta", "omega", "mu", "tau", "approx", "le", "ge")
+RAW_TEX = re.compile("|".join(re.escape(raw) for raw in RAW_MATH) + rf"|\\(?:{'|'.join(TEX_COMMANDS)})(?![a-zA-Z])")
 
 # Run in a book page once MathJax has typeset it: opens every <details> (exercise solutions,
 # hidden code cells), then measures what a reader at this window width sees. Widths are compared
@@ -92,7 +95,13 @@ AUDIT_JS = r"""notProse => {
     const bytes = entries.reduce((sum, e) => sum + (e.decodedBodySize || e.encodedBodySize || 0), 0);
     const scripts = [...document.scripts].map(s => s.src).filter(Boolean).map(src => new URL(src).pathname);
 
+    // The page's chrome: what stands above the chapter title, how many search boxes show.
+    const title = article.querySelector('h1');
+    const aboveTitle = title ? [...article.querySelectorAll('.cell')]
+        .filter(cell => visible(cell) && (cell.compareDocumentPosition(title) & Node.DOCUMENT_POSITION_FOLLOWING))
+        .map(excerpt) : [];
+    const searchBoxes = [...document.querySelectorAll('.search-button-field, form.bd-search')].filter(visible).length;
+
     return {wideCode, wideMath, numberOverMath, prose: prose.join(''), noAlt, bytes,
-            requests: entries.length, scripts, codeBlocks: article.querySelectorAll('pre').length,
-            width: document.documentElement.clientWidth};
+            requests: entries.length, scripts, aboveTitle, searchBoxes};
 }"""

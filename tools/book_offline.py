@@ -13,6 +13,8 @@ that load only the JavaScript they use.
 - No sphinx-thebe script or stylesheet: live code is off (`launch_buttons.thebe: false`), and
   jupyter-book 1.0 with Sphinx 7.4 emits sphinx-thebe's inline configuration twice, whose second
   copy throws "Identifier 'THEBE_JS_URL' has already been declared" on every page.
+- Alt text for the frames of matplotlib animations: the `<img>` that `to_jshtml()` writes has none;
+  it gets the cell's `mystnb.image.alt`, the key myst-nb reads for the alt text of image outputs.
 - The widget manager (`nb_ipywidgets_js`, 1.9 MB) and the stored widget state only on pages that
   still show a widget: a notebook saved with widget state keeps it in its metadata even where its
   widget outputs are removed from the HTML (tag `remove-output`).
@@ -20,8 +22,11 @@ that load only the JavaScript they use.
 
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
+
+from docutils import nodes
 
 # <link rel="stylesheet" href="https://.../font-awesome.min.css"> in any attribute order/spacing.
 CDN_FONT_AWESOME = re.compile(
@@ -36,6 +41,9 @@ UNUSED_ON_SEARCH_PAGE = UNUSED_THEME_SCRIPTS[:1]
 
 # sphinx-thebe's per-page configuration, written into the page body.
 THEBE_CONFIG = re.compile(r"""<script type="text/x-thebe-config">.*?</script>\s*""", re.DOTALL)
+
+# The frame of a matplotlib animation (`Animation.to_jshtml()`): <img id="_anim_img<hex>">.
+ANIMATION_FRAME = re.compile(r'<img id="_anim_img\w+"')
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
@@ -58,6 +66,19 @@ def _is_thebe(asset) -> bool:
 
 def _is_widget_manager(script, manager_files) -> bool:
     return script.filename in manager_files or script.attributes.get("type") == WIDGET_STATE
+
+
+def _describe_animation_frames(app, doctree, docname):
+    """Give the frame <img> of each animation the alt text of its cell (`mystnb.image.alt`)."""
+    for cell in doctree.findall(lambda node: isinstance(node, nodes.container) and node.get("nb_element") == "cell_code"):
+        alt = ((cell.get("cell_metadata") or {}).get("mystnb") or {}).get("image", {}).get("alt")
+        if not alt:
+            continue
+        for raw in list(cell.findall(nodes.raw)):
+            text = raw.astext()
+            if ANIMATION_FRAME.search(text):
+                described = ANIMATION_FRAME.sub(lambda match: f'{match.group(0)} alt="{html.escape(alt)}"', text)
+                raw.replace_self(nodes.raw("", described, format=raw["format"]))
 
 
 def _on_page(app, pagename, templatename, context, doctree):
@@ -91,6 +112,7 @@ def _drop_unused_theme_scripts(app, exception):
 
 
 def setup(app):
+    app.connect("doctree-resolved", _describe_animation_frames)
     app.connect("html-page-context", _on_page, priority=900)  # after myst-nb adds its scripts
     app.connect("build-finished", _drop_unused_theme_scripts)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
