@@ -65,7 +65,7 @@ TIMEOUT_MS = 120_000  # one page: load, typeset, draw its widgets (a loaded 2-co
 # stylesheet (0.40 MB) and icon font (0.16 MB), bootstrap and the MathJax fonts a page uses. A
 # page with animations carries their frames inline (matplotlib to_jshtml); a page that shows
 # ipywidgets loads the widget manager (1.9 MB) and the stored widget state.
-PAGE_BUDGETS_MB = {"prose and figures": 3.0, "animations": 4.5, "widgets": 6.0}
+PAGE_BUDGETS_MB = {"prose and figures": 3.5, "animations": 4.5, "widgets": 6.5}
 
 
 def _toc_docnames() -> list[str]:

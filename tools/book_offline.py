@@ -86,7 +86,7 @@ def _on_page(app, pagename, templatename, context, doctree):
         return
     body = THEBE_CONFIG.sub("", strip_cdn_font_awesome(context["body"]))
     context["body"] = body
-    manager_files = set(app.config.nb_ipywidgets_js)
+    manager_files = {f"_static/{path}" for path in app.config.nb_ipywidgets_js}  # as add_js_file stores them
     shows_widgets = WIDGET_VIEW in body
     context["script_files"] = [
         script
