@@ -5,11 +5,11 @@ so t = 0 means "before any update" (a warmup gives η_0 = 0; training never uses
 
 - ``cosine_lr``: GPT-3's schedule (Brown et al., 2020, appendix B): a linear warmup to η_max over
   w updates, a cosine decay to the floor η_min at update D, then η_min.
-- ``inverse_sqrt_lr``: the GPT-3 card's formula η_t = η_max · min(t/w, (t/E)^-0.5). The card
-  never defines E (its pseudo-code uses E for the number of epochs). With E < w the two branches
-  cross before the warmup ends, at t* = (E·w²)^(1/3), and η peaks there at only
-  η_max·(E/w)^(1/3). We take E = w: the branches meet at t = w, where η peaks at η_max, and this
-  is the Transformer's schedule (Vaswani et al., 2017:
+- ``inverse_sqrt_lr``: the formula η_t = η_max · min(t/w, (t/E)^-0.5) of the GPT-3 summary card
+  (an undated one-page summary of GPT-3), which never defines E (its pseudo-code uses E for the
+  number of epochs). With E < w the two branches cross before the warmup ends, at
+  t* = (E·w²)^(1/3), and η peaks there at only η_max·(E/w)^(1/3). We take E = w: the branches
+  meet at t = w, where η peaks at η_max, and this is the Transformer's schedule (Vaswani et al., 2017:
   d^-0.5 · min(t^-0.5, t·w^-1.5) = η_max · min(t/w, (t/w)^-0.5) with η_max = (d·w)^-0.5).
   Note the paper's GPT-3 itself used the cosine schedule, not this one.
 - ``clip_grad_norm``: rescale all gradients together so their global L2 norm is at most
@@ -37,7 +37,7 @@ def cosine_lr(t: int, *, lr: float, min_lr: float, warmup_iters: int, decay_iter
 
 
 def inverse_sqrt_lr(t: int, *, lr: float, warmup_iters: int) -> float:
-    """η_t = η_max · min(t/w, (t/w)^-0.5) (the card's formula with E = w); 0 at t = 0."""
+    """η_t = η_max · min(t/w, (t/w)^-0.5), the GPT-3 summary card's formula with E = w; η_0 = 0."""
     if t == 0:
         return 0.0  # (t/w)^-0.5 is infinite, t/w is 0: the min is 0
     return lr * min(t / warmup_iters, (t / warmup_iters) ** -0.5)

@@ -2,28 +2,36 @@
 
 The book is built into a temporary folder (`jupyter-book build . --path-output <tmp> -n
 --keep-going`), served on 127.0.0.1 from a thread, and every page of `_toc.yml` is opened in
-headless Chromium with every host name except 127.0.0.1 unresolvable: the pages must work
-offline. From the rendered DOM (`--dump-dom`, after `--virtual-time-budget` lets MathJax and the
-widget manager finish), each page must show
+headless Chromium through Playwright (the DevTools protocol), in a 1280 x 1000 window, with every
+host name except 127.0.0.1 unresolvable: the pages must work offline. Once MathJax has typeset a
+page and its widgets are drawn, every `<details>` on it is opened (exercise solutions, hidden
+cells) and the page must show
 
 - typeset math: every Sphinx math element holds a MathJax `mjx-container`, no `mjx-merror`, and
-  no raw `$$`, `\\begin{`, `\\(` or `\\[` left in the visible text;
-- its figures: every `<img>` has a `data:image/...` source or one the server delivered, at least
-  as many images as the notebook stores image outputs, and animations (matplotlib `to_jshtml`)
-  show a frame;
-- its widgets: on pages that store widget state, every widget view rendered by the embedded
-  ipywidgets manager;
-- no failed request to the book's own server and no uncaught JavaScript error.
+  no raw TeX (`$$`, `\\begin{`, `\\(`, `\\[`, `\\mathbf`, ...) left in the visible text;
+- code and equations that fit: no code block (cell, output, listing) scrolls sideways, no display
+  equation is wider than its column, no equation number is drawn over its equation;
+- its figures: every `<img>` has a `data:image/...` source or one the server delivered, and alt
+  text that describes it (not empty, not a file name); at least as many images as the notebook
+  stores image outputs; animations (matplotlib `to_jshtml`) show a frame;
+- its widgets: on pages that show widgets, every widget view rendered by the embedded ipywidgets
+  manager;
+- its chrome: nothing above the chapter title (no code cell), one search box, no Font Awesome
+  script, the widget manager only where a widget shows;
+- no failed request to the book's own server, no uncaught JavaScript error, no console error;
+- a weight within its budget: the bytes of the HTML and of every request the page made
+  (PAGE_BUDGETS_MB).
 
 A screenshot of the top of each page lands in `_build/screenshots/<page>.png`.
-The tests skip where no Chromium is installed (Debian: `apt-get install chromium`; `.ci/run`
-installs it). `GPTLAB_CHROMIUM=/path/to/chrome` picks a browser explicitly.
+The tests skip where no Chromium or no Playwright is installed (Debian: `apt-get install
+chromium`; `.ci/run` installs it). `GPTLAB_CHROMIUM=/path/to/chrome` picks a browser explicitly.
 """
 
 from __future__ import annotations
 
 import functools
 import http.server
+import importlib.util
 import re
 import subprocess
 import sys
@@ -37,15 +45,27 @@ import nbformat
 import pytest
 import yaml
 
-from browser import CHROMIUM, NOT_PROSE, RAW_MATH, SCREENSHOTS
+from browser import AUDIT_JS, CHROMIUM, CHROMIUM_ARGS, NOT_PROSE, RAW_TEX, SCREENSHOTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="no Chromium found (install it: `apt-get install chromium` on Debian; or set GPTLAB_CHROMIUM): "
-    "the browser check of the built book is skipped",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="no Chromium found (install it: `apt-get install chromium` on Debian; or set GPTLAB_CHROMIUM): "
+        "the browser check of the built book is skipped",
+    ),
+    pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="Playwright for Python is not installed"),
+]
+
+TIMEOUT_MS = 120_000  # one page: load, typeset, draw its widgets (a loaded 2-core machine is slow)
+
+# Page weight budgets, in MB (10^6 bytes) of HTML plus every response the page requested. Every
+# page pays about 2.0 MB for the book's frame: MathJax 3's full component (1.33 MB), the theme's
+# stylesheet (0.40 MB) and icon font (0.16 MB), bootstrap and the MathJax fonts a page uses. A
+# page with animations carries their frames inline (matplotlib to_jshtml); a page that shows
+# ipywidgets loads the widget manager (1.9 MB) and the stored widget state.
+PAGE_BUDGETS_MB = {"prose and figures": 3.5, "animations": 4.5, "widgets": 6.5}
 
 
 def _toc_docnames() -> list[str]:
@@ -228,44 +248,54 @@ def _notebook_image_outputs(path: Path) -> int:
 # The browser
 
 
-# Chromium's console lines with --enable-logging=stderr: ...:INFO:CONSOLE(12)] "message", source: url (12)
-CONSOLE_LINE = re.compile(r':CONSOLE[:(]\d+\)?\] "(?P<message>.*)", source: (?P<source>\S*)')
-# Known and harmless: jupyter-book 1.0.4 with Sphinx 7.4 emits sphinx-thebe's inline configuration
-# script twice on every page; the second copy re-declares its `const` (the first one works).
-KNOWN_CONSOLE_ERRORS = [re.compile(r"Identifier 'THEBE_JS_URL' has already been declared")]
+@pytest.fixture(scope="module")
+def chromium():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=TIMEOUT_MS)
+        try:
+            yield browser
+        finally:
+            browser.close()
 
 
-def render(url: str, screenshot: Path, profile: Path) -> tuple[str, list[tuple[str, str]]]:
-    """Open `url` in headless Chromium, offline; return the rendered DOM and the console lines."""
-    screenshot.parent.mkdir(parents=True, exist_ok=True)
-    command = [
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--hide-scrollbars",
-        "--force-device-scale-factor=1",
-        f"--user-data-dir={profile}",
-        # Offline: no host name resolves except the local server's address.
-        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-        "--virtual-time-budget=10000",
-        "--window-size=1280,1600",
-        "--enable-logging=stderr",
-        "--v=0",
-        f"--screenshot={screenshot}",
-        "--dump-dom",
-        url,
-    ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "</html>" in proc.stdout, f"Chromium failed on {url} ({proc.returncode}):\n{proc.stderr[-3000:]}"
-    console = [(m["message"], m["source"]) for m in map(CONSOLE_LINE.search, proc.stderr.splitlines()) if m]
-    return proc.stdout, console
+@dataclass
+class Rendered:
+    dom: Node  # the DOM once typeset and drawn, before anything was opened
+    audit: dict  # what AUDIT_JS measured with every <details> open
+    console: list[str]  # console errors and uncaught exceptions
+
+
+def render(chromium, url: str, screenshot: Path, widget_views: int) -> Rendered:
+    """Open `url` at 1280 px, offline; wait for MathJax and the widgets; measure the page."""
+    page = chromium.new_page(viewport={"width": 1280, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    console: list[str] = []
+    page.on("console", lambda message: console.append(message.text) if message.type == "error" else None)
+    page.on("pageerror", lambda error: console.append(f"Uncaught {error}"))
+    try:
+        page.goto(url, wait_until="load")
+        page.evaluate("async () => { if (window.MathJax && MathJax.startup) await MathJax.startup.promise; }")
+        if widget_views:
+            drawn = "n => document.querySelectorAll('.widget-subarea .jupyter-widgets').length >= n"
+            page.wait_for_function(drawn, arg=widget_views)
+        page.wait_for_load_state("networkidle")  # fonts and images the typesetting asked for
+        screenshot.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(screenshot))
+        dom = parse_html(page.content())
+        audit = page.evaluate(AUDIT_JS, sorted(NOT_PROSE))
+    finally:
+        page.close()
+    return Rendered(dom=dom, audit=audit, console=console)
+
+
+def _budget(dom: Node, shows_widgets: bool) -> tuple[str, float]:
+    if shows_widgets:
+        return "widgets", PAGE_BUDGETS_MB["widgets"]
+    if dom.find_all("div", "animation"):
+        return "animations", PAGE_BUDGETS_MB["animations"]
+    return "prose and figures", PAGE_BUDGETS_MB["prose and figures"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,22 +303,23 @@ def render(url: str, screenshot: Path, profile: Path) -> tuple[str, list[tuple[s
 
 
 @pytest.mark.parametrize("docname", PAGES)
-def test_page_renders_offline(docname, book, server, tmp_path):
+def test_page_renders_offline(docname, book, server, chromium):
     source = _source(docname)
     if source is None:
         pytest.skip(f"{docname}: listed in _toc.yml, not written yet")
     page = book.html / f"{docname}.html"
     assert page.is_file(), f"{docname}: the build wrote no {page.name}"
     static = parse_html(page.read_text(encoding="utf-8"))
+    static_views = [n for n in static.iter() if n.tag == "script" and n.attrs.get("type") == "application/vnd.jupyter.widget-view+json"]
 
     url = f"{server.url}/{docname}.html"
     with server.lock:
         first_request = len(server.requests)
     screenshot = SCREENSHOTS / f"{Path(docname).name}.png"
-    markup, console = render(url, screenshot, tmp_path / "profile")
+    rendered = render(chromium, url, screenshot, len(static_views))
     with server.lock:
         requests = server.requests[first_request:]
-    dom = parse_html(markup)
+    dom, audit = rendered.dom, rendered.audit
     article = next(iter(dom.find_all("article", "bd-article")), dom)
     problems: list[str] = []
 
@@ -304,13 +335,19 @@ def test_page_renders_offline(docname, book, server, tmp_path):
     errors = dom.find_all("mjx-merror")
     if errors:
         problems.append(f"MathJax reported {len(errors)} TeX error(s): {[e.attrs.get('data-mjx-error') or e.text()[:80] for e in errors[:3]]}")
-    prose = article.text(skip=_not_prose)
-    for raw in RAW_MATH:
-        at = prose.find(raw)
-        if at >= 0:
-            problems.append(f"raw {raw!r} in the visible text: ...{prose[max(0, at - 60): at + 60]!r}...")
+    prose = audit["prose"]  # visible text with every <details> open, code and typeset math left out
+    for raw in RAW_TEX.finditer(prose):
+        problems.append(f"raw TeX {raw.group(0)!r} in the visible text: ...{prose[max(0, raw.start() - 60): raw.end() + 60]!r}...")
 
-    # Figures: images are there and load; animations show a frame.
+    # Code and equations fit the column at 1280 px.
+    if audit["wideCode"]:
+        problems.append(f"{len(audit['wideCode'])} code block(s) scroll sideways at 1280 px, e.g. {audit['wideCode'][:3]}")
+    if audit["wideMath"]:
+        problems.append(f"display equation(s) wider than the column at 1280 px: {audit['wideMath']}")
+    if audit["numberOverMath"]:
+        problems.append(f"equation number(s) drawn over the equation: {audit['numberOverMath']}")
+
+    # Figures: images are there, load, and say what they show; animations show a frame.
     served = {path: status for path, status in requests}
     images = article.find_all("img")
     for img in images:
@@ -327,6 +364,8 @@ def test_page_renders_offline(docname, book, server, tmp_path):
             problems.append(f"<img> from outside the book: {src}")
         elif served.get(target.path) != 200:
             problems.append(f"<img> {src} not delivered (status {served.get(target.path)})")
+    if audit["noAlt"]:
+        problems.append(f"{len(audit['noAlt'])} image(s) without alt text that describes them: {audit['noAlt'][:4]}")
     expected_images = _notebook_image_outputs(source)
     if len(images) < expected_images:
         problems.append(f"{len(images)} <img> rendered, the notebook stores {expected_images} image outputs")
@@ -335,26 +374,37 @@ def test_page_renders_offline(docname, book, server, tmp_path):
         if not any(src.startswith("data:image/") for src in frames):
             problems.append("a matplotlib animation shows no frame (its JavaScript did not run)")
 
-    # Widgets: on pages with stored widget state, every view is rendered by the widget manager.
-    has_state = any(n.tag == "script" and n.attrs.get("type") == "application/vnd.jupyter.widget-state+json" for n in static.iter())
+    # Widgets: on pages that show widgets, every view is rendered by the widget manager.
+    has_state = any(n.tag == "script" and n.attrs.get("type") == "application/vnd.jupyter.widget-state+json" for n in dom.iter())
     views = [n for n in article.iter() if n.tag == "script" and n.attrs.get("type") == "application/vnd.jupyter.widget-view+json"]
     if has_state and views:
-        rendered = [a for a in article.find_all("div", "widget-subarea") if any("jupyter-widgets" in n.classes for n in a.iter())]
-        if len(rendered) < len(views):
-            problems.append(f"{len(rendered)} of {len(views)} widget views rendered")
+        rendered_views = [a for a in article.find_all("div", "widget-subarea") if any("jupyter-widgets" in n.classes for n in a.iter())]
+        if len(rendered_views) < len(views):
+            problems.append(f"{len(rendered_views)} of {len(views)} widget views rendered")
     elif views and not has_state:
         problems.append(f"{len(views)} widget view(s) but no widget state stored in the notebook (save it with the widget state)")
 
-    # The book's own server answered every request; no uncaught JavaScript error.
-    failed = sorted({f"{path} ({status})" for path, status in requests if status >= 400 and not path.endswith("favicon.ico")})
+    # The page's chrome: nothing above the title, one search box, only the scripts it uses.
+    if audit["aboveTitle"]:
+        problems.append(f"above the chapter title: {audit['aboveTitle']} (tag the set-up cell remove-cell)")
+    if audit["searchBoxes"] > 1:
+        problems.append(f"{audit['searchBoxes']} search boxes shown")
+    scripts = audit["scripts"]
+    if any(path.endswith("/fontawesome.js") for path in scripts):
+        problems.append("loads the theme's Font Awesome script (tools/book_offline.py leaves it out)")
+    if not views and any("jupyter-widgets/" in path for path in scripts):
+        problems.append("loads the widget manager but shows no widget")
+
+    # The book's own server answered every request; no uncaught error, no console error.
+    failed = sorted({f"{path} ({status})" for path, status in requests if status >= 400})
     if failed:
         problems.append(f"failed requests: {failed}")
-    uncaught = [
-        f"{message} [{source_url}]"
-        for message, source_url in console
-        if message.startswith("Uncaught") and not any(known.search(message) for known in KNOWN_CONSOLE_ERRORS)
-    ]
-    if uncaught:
-        problems.append(f"uncaught JavaScript errors: {uncaught[:5]}")
+    if rendered.console:
+        problems.append(f"console errors: {rendered.console[:5]}")
+
+    # Weight: the HTML and everything the page requested.
+    kind, budget = _budget(dom, bool(views))
+    if audit["bytes"] > budget * 1e6:
+        problems.append(f"weighs {audit['bytes'] / 1e6:.2f} MB in {audit['requests']} requests: over the {budget} MB budget of a page of {kind}")
 
     assert not problems, f"{docname} (screenshot: {screenshot}):\n- " + "\n- ".join(problems)

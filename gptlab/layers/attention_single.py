@@ -1,18 +1,18 @@
-"""Single-head attention in the column convention of the source post ("Understanding
-Transformers and GPT"): tokens are the COLUMNS of X (d, T).
+"""Single-head attention in the column convention of the blog post "Understanding Transformers
+and GPT: An In-depth Overview" (2023): tokens are the COLUMNS of X (d, T).
 
     Q = A X,  K = B X,  V = C X                                   (h, T) each
     att = softmax(Q^T K / sqrt(h)), softmax over each column      (T, T), att[i, t] = a_it
     Z = V att                                                      (h, T), z_t = sum_i a_it v_i
 
 Column t of ``att`` holds the weights with which output t mixes the values v_i. Mind the roles:
-the post scores c_it = q_i . k_t and normalizes over i, so position t probes with its KEY k_t
+the blog post scores c_it = q_i . k_t and normalizes over i, so position t probes with its KEY k_t
 and the positions i answer with their QUERIES q_i, the transpose of Vaswani et al.'s q_t . k_i.
 It is the same function class with A and B swapped: GPT-2's row convention (``attention.py``)
 with query weight B^T, key weight A^T and value weight C^T gives the same Z^T. The causal mask
 keeps i <= t: the upper triangle, including the diagonal.
 
-The backward follows the post step by step (E = dF/dZ):
+The backward follows the blog post step by step (E = dF/dZ):
 
     dF/datt = V^T E
     dF/dc_t = J_sm(a_t) dF/da_t  for every column  (written  att (x) (V^T E))
@@ -83,7 +83,7 @@ def attention_single_backward(E, cache):
 
 
 def attention_single_backward_compact(E, cache):
-    """The same gradients through the post's compact (3h, T) matrix P:
+    """The same gradients through the blog post's compact (3h, T) matrix P:
 
         P = [ K (att (x) V^T E)^T / sqrt(h) ;  Q (att (x) V^T E) / sqrt(h) ;  E att^T ]
         [dA; dB; dC] = P X^T,      dX = [A^T  B^T  C^T] P

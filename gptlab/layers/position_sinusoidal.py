@@ -60,7 +60,7 @@ def position_shift_matrix(k: int, C: int, *, base: float = 10000.0, like=None, x
     For the pair (sin(t w), cos(t w)) a shift by k is a rotation by the angle k w:
         sin((t+k) w) =  cos(k w) sin(t w) + sin(k w) cos(t w)
         cos((t+k) w) = -sin(k w) sin(t w) + cos(k w) cos(t w)
-    M_k = M_1^k, so the map T of the talk notes is M_1.
+    M_k = M_1^k, so the map T between steps in the talk "Demystifying GPT-3" (2020) is M_1.
     """
     if like is not None:
         xp, dtype, device = array_namespace(like), like.dtype, array_device(like)

@@ -14,7 +14,8 @@ from ..checks import require_float
 
 
 def softmax_forward(x, *, axis: int = -1):
-    """x (...) -> p (...), normalized along ``axis`` (the post's column-wise softmax is axis=0)."""
+    """x (...) -> p (...), normalized along ``axis`` (axis=0: the column-wise softmax of the
+    blog post "Understanding Transformers and GPT")."""
     xp = array_namespace(x)
     require_float("x", x)
     shifted = x - xp.max(x, axis=axis, keepdims=True)  # (...)
