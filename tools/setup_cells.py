@@ -76,7 +76,7 @@ def write(path: Path, url: str) -> None:
     nb = nbformat.read(path, as_version=4)
     cell = nb.cells[0]
     cell.source = setup_source(nb, url)
-    cell.metadata["tags"] = sorted(set(cell.metadata.get("tags", [])) | {"hide-input"})
+    cell.metadata["tags"] = sorted(set(cell.metadata.get("tags", [])) - {"hide-input"} | {"remove-cell"})
     nbformat.write(nb, path)
 
 
