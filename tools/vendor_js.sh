@@ -58,6 +58,8 @@ cp html-manager/dist/*.woff2 "$VENDOR/jupyter-widgets/"
   echo
   echo "\`shims/\` is ours, hand-written, and left alone by the script: \`ipywidgets-mathjax3.js\` lets"
   echo "the widget manager (which calls the MathJax 2 API) typeset widget labels with MathJax 3."
+  echo "\`book.css\` (the page layout: a column wide enough for 100 columns of code) and"
+  echo "\`favicon.svg\` are ours too, and left alone as well."
   echo
   echo "## SHA-256"
   echo
