@@ -317,5 +317,77 @@ def _softmax_cross_entropy_(logits, targets, scale: float) -> float:
     return loss
 
 
-__all__ = ["fast_loss_and_grads", "new_grad_buffers", "check_fast_config", "ATTENTIONS",
-           "CLASSIFIERS", "PRECISIONS"]
+class LossScaler:
+    """float16's dynamic loss scaling (Micikevicius et al. 2018, "Mixed Precision Training").
+
+    float16 ends at 65504 and its smallest subnormal is 6e-8: small gradients flush to zero. The
+    backward therefore starts from dloss = ``scale`` (every gradient scaled up), and the float32
+    gradients are divided by it again. A step whose scaled gradients overflow (inf or nan) is
+    skipped and the scale halved; after ``growth_interval`` good steps in a row it doubles.
+    Counts: ``skipped`` steps, ``growths`` of the scale, ``good_steps`` since the last change."""
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, factor: float = 2.0):
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"growth_interval must be an integer >= 1, got {growth_interval!r}")
+        if not (scale > 0 and math.isfinite(scale)) or not factor > 1:
+            raise ValueError(f"scale must be a finite number > 0 and factor > 1, got "
+                             f"scale={scale!r}, factor={factor!r}")  # fmt: skip
+        self.scale, self.growth_interval, self.factor = float(scale), growth_interval, factor
+        self.good_steps, self.skipped, self.growths = 0, 0, 0
+
+    def update(self, finite: bool) -> bool:
+        """Record a step whose scaled gradients were ``finite`` or not; True: take the step."""
+        if not finite:  # overflow: skip the update, halve the scale
+            self.scale /= self.factor
+            self.good_steps, self.skipped = 0, self.skipped + 1
+            return False
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:  # long enough without overflow: grow
+            self.scale *= self.factor
+            self.good_steps, self.growths = 0, self.growths + 1
+        return True
+
+
+class FastStep:
+    """A training step through the fused path at a ``precision``: "float32", or "bfloat16" /
+    "float16" compute from float32 master weights (the optimizer's state stays float32 too, as
+    it is built over the master weights). float16 scales the loss with ``scaler`` (a fresh
+    ``LossScaler`` by default). ``options``: fast_loss_and_grads's attention, classifier,
+    recompute.
+
+        loss, grads = step(master_params, idx, targets)
+        grads: float32, like the master weights; None when float16 overflowed (skip the update)
+    """
+
+    def __init__(self, cfg: GPTConfig, precision: str = "float32", *, scaler=None, **options):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        check_fast_config(cfg)
+        self.cfg, self.precision, self.options = cfg, precision, options
+        self.dtype = getattr(torch, precision)
+        self.scaler = (scaler or LossScaler()) if precision == "float16" else scaler
+        self.buffers = None
+
+    def __call__(self, params: dict, idx, targets):
+        if self.precision != "float32" and params["wte.weight"].dtype != torch.float32:
+            raise TypeError(f"mixed precision keeps float32 master weights, got "
+                            f"{params['wte.weight'].dtype}")  # fmt: skip
+        compute = {name: p.to(self.dtype) for name, p in params.items()}  # copies unless float32
+        if self.buffers is None:
+            self.buffers = new_grad_buffers(compute)
+        scale = 1.0 if self.scaler is None else self.scaler.scale
+        loss, grads = fast_loss_and_grads(compute, idx, targets, self.cfg, self.buffers,
+                                          loss_scale=scale, **self.options)  # fmt: skip
+        if self.precision == "float32":
+            return loss, grads
+        master_grads = {name: g.float().div_(scale) for name, g in grads.items()}  # float32
+        if self.scaler is not None:
+            finite = math.isfinite(loss) and all(bool(torch.isfinite(g).all())
+                                                  for g in master_grads.values())
+            if not self.scaler.update(finite):
+                return loss, None
+        return loss, master_grads
+
+
+__all__ = ["fast_loss_and_grads", "new_grad_buffers", "check_fast_config", "LossScaler",
+           "FastStep", "ATTENTIONS", "CLASSIFIERS", "PRECISIONS"]
