@@ -349,7 +349,8 @@ class LossScaler:
 
 
 class FastStep:
-    """A training step through the fused path at a ``precision``: "float32", or "bfloat16" /
+    """A training step through the fused path at a ``precision``: "float32" (the parameters' own
+    dtype, float64 too), or "bfloat16" /
     "float16" compute from float32 master weights (the optimizer's state stays float32 too, as
     it is built over the master weights). float16 scales the loss with ``scaler`` (a fresh
     ``LossScaler`` by default). ``options``: fast_loss_and_grads's attention, classifier,
@@ -365,14 +366,19 @@ class FastStep:
         check_fast_config(cfg)
         self.cfg, self.precision, self.options = cfg, precision, options
         self.dtype = getattr(torch, precision)
-        self.scaler = (scaler or LossScaler()) if precision == "float16" else scaler
+        if scaler is not None and precision != "float16":
+            raise ValueError(f"a loss scaler is for float16 (its range ends at 65504), not "
+                             f"precision={precision!r}")
+        self.scaler = (scaler or LossScaler()) if precision == "float16" else None
         self.buffers = None
 
     def __call__(self, params: dict, idx, targets):
         if self.precision != "float32" and params["wte.weight"].dtype != torch.float32:
             raise TypeError(f"mixed precision keeps float32 master weights, got "
                             f"{params['wte.weight'].dtype}")  # fmt: skip
-        compute = {name: p.to(self.dtype) for name, p in params.items()}  # copies unless float32
+        compute = params  # "float32": the model's own dtype (float64 too), no copy
+        if self.precision != "float32":
+            compute = {name: p.to(self.dtype) for name, p in params.items()}  # compute copies
         if self.buffers is None:
             self.buffers = new_grad_buffers(compute)
         scale = 1.0 if self.scaler is None else self.scaler.scale

@@ -287,9 +287,11 @@ def _loss_functions(cfg: TrainConfig, model_cfg: GPTConfig):
     loss(params, x, y) -> float)."""
     if cfg.backend != "autograd":
         if cfg.fused:
+            scaler = None
+            if cfg.precision == "float16":
+                scaler = LossScaler(growth_interval=cfg.loss_scale_interval)
             step = FastStep(model_cfg, cfg.precision, attention=cfg.attention,
-                            classifier=cfg.classifier, recompute=cfg.recompute,
-                            scaler=LossScaler(growth_interval=cfg.loss_scale_interval))
+                            classifier=cfg.classifier, recompute=cfg.recompute, scaler=scaler)
 
             def train_loss(params, x, y, seed):  # grads None: float16 overflowed, no update
                 return step(params, x, y)
