@@ -32,21 +32,18 @@ Book: chapter 14.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from .config import GPTConfig
 from .layers.chunked_classifier import chunked_classifier_forward
 from .layers.flash_attention import flash_attention_backward, flash_attention_forward
-from .model import _check_idx, check_params, param_shapes
+from .layers.gelu import _INV_SQRT_2, _INV_SQRT_2PI, _SQRT_2_OVER_PI
+from .model import _check_idx, block_params, check_params
 
 ATTENTIONS = ("sdpa", "flash")
 CLASSIFIERS = ("full", "chunked")
 PRECISIONS = ("float32", "bfloat16", "float16")
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _GELU_CUBIC = 0.044715
 
 
@@ -259,7 +256,7 @@ def fast_loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, buffers=None
     x = wte[ids].view(B, T, C).add_(params["wpe.weight"][:T]).view(N, C)  # (N, C)
     blocks = []
     for layer in range(cfg.n_layer):
-        p = _block(params, layer)
+        p = block_params(params, layer)
         y, cache = _block_forward(x, p, cfg, B, T, attention)  # (N, C)
         blocks.append(x if recompute else cache)  # recompute keeps the block's input only
         x = y
@@ -281,7 +278,7 @@ def fast_loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, buffers=None
         del logits
     dx = _layernorm_back(dxf, ln_f, grads["ln_f.weight"], grads.get("ln_f.bias"))  # (N, C)
     for layer in reversed(range(cfg.n_layer)):
-        p = _block(params, layer)
+        p = block_params(params, layer)
         cache = blocks[layer]
         if recompute:  # the block's forward again, from its kept input
             cache = _block_forward(cache, p, cfg, B, T, attention)[1]
@@ -292,11 +289,6 @@ def fast_loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, buffers=None
     grads["wpe.weight"][T:].zero_()
     dwte.index_add_(0, ids, dx)  # the embedding's share, added to the head's
     return loss, grads
-
-
-def _block(params: dict, layer: int) -> dict:
-    prefix = f"h.{layer}."
-    return {name[len(prefix):]: p for name, p in params.items() if name.startswith(prefix)}
 
 
 def _softmax_cross_entropy_(logits, targets, scale: float) -> float:
