@@ -165,7 +165,7 @@ def _attention_core(qkv, B, T, n_head, attention):
     else:
         att = q @ k.transpose(-1, -2)  # (B, NH, T, T) scores, made the weights in place
         att.mul_(1.0 / math.sqrt(C // n_head))
-        hidden = torch.ones(T, T, dtype=torch.bool, device=qkv.device).triu_(1)  # (T, T) key > query
+        hidden = torch.ones(T, T, dtype=torch.bool, device=qkv.device).triu_(1)  # (T, T) j > i
         att.masked_fill_(hidden, -math.inf)
         att.sub_(att.amax(-1, keepdim=True)).exp_()
         att.div_(att.sum(-1, keepdim=True))  # (B, NH, T, T) rows sum to 1
@@ -190,9 +190,9 @@ def _attention_core_back(dheads, cache, B, T, n_head, attention):
         # scores = q @ k^T * scale
         datt.mul_(1.0 / math.sqrt(C // n_head))
         dq, dk = datt @ k, datt.transpose(-1, -2) @ q  # (B, NH, T, hs)
-    # q, k, v = split(qkv)
-    dqkv = torch.stack((dq, dk, dv), 2)  # (B, NH, 3, T, hs)
-    return dqkv.permute(0, 3, 2, 1, 4).reshape(B * T, 3 * C)  # (N, 3C)
+    # q, k, v = split(qkv): one copy into qkv's layout (B, T, 3, NH, hs)
+    dqkv = torch.stack((dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)), 2)
+    return dqkv.view(B * T, 3 * C)  # (N, 3C)
 
 
 def _block_forward(x, p, cfg, B, T, attention):
