@@ -38,7 +38,7 @@ import torch
 from .config import GPTConfig
 from .layers.chunked_classifier import chunked_classifier_forward
 from .layers.flash_attention import flash_attention_backward, flash_attention_forward
-from .layers.gelu import _INV_SQRT_2, _INV_SQRT_2PI, _SQRT_2_OVER_PI
+from .layers.gelu import _INV_SQRT_2PI, _SQRT_2_OVER_PI
 from .model import _check_idx, block_params, check_params
 
 ATTENTIONS = ("sdpa", "flash")
@@ -135,10 +135,8 @@ def _gelu_phi(h, approximate):
         # Phi = 0.5 * (1 + tanh(sqrt(2/pi) * (h + 0.044715 h^3)))
         phi = h * h  # (N, H)
         phi.mul_(_GELU_CUBIC).add_(1.0).mul_(h).mul_(_SQRT_2_OVER_PI).tanh_()
-    else:
-        phi = h * _INV_SQRT_2  # Phi = 0.5 * (1 + erf(h / sqrt(2)))
-        phi.erf_()
-    return phi.add_(1.0).mul_(0.5)  # (N, H)
+        return phi.add_(1.0).mul_(0.5)  # (N, H)
+    return torch.special.ndtr(h)  # (N, H) Phi = 0.5 * (1 + erf(h / sqrt(2))), in one pass
 
 
 def _gelu_back_(dg, h, phi, approximate):
@@ -153,7 +151,7 @@ def _gelu_back_(dg, h, phi, approximate):
         # Phi' = exp(-h^2 / 2) / sqrt(2 pi)
         slope = h * h  # (N, H)
         slope.mul_(-0.5).exp_().mul_(_INV_SQRT_2PI)
-    return dg.mul_(slope.mul_(h).add_(phi))  # (N, H)
+    return dg.mul_(slope.mul_(h).add_(phi))  # (N, H) dy * (Phi + h * Phi')
 
 
 def _attention_core(qkv, B, T, n_head, attention):
