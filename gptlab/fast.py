@@ -91,11 +91,9 @@ def _check_call(params, idx, targets, cfg, buffers, attention, classifier) -> No
 
 def _layernorm(x, w, b, eps):
     """x (N, C) -> (y (N, C), cache (xhat, w, rstd))."""
-    mean = x.mean(-1, keepdim=True)  # (N, 1)
-    xhat = x - mean  # (N, C) x - mean, made xhat in place below
-    var = (xhat * xhat).mean(-1, keepdim=True)  # (N, 1)
+    var, mean = torch.var_mean(x, -1, correction=0, keepdim=True)  # (N, 1) each, biased var
     rstd = var.add_(eps).rsqrt_()  # (N, 1)
-    xhat.mul_(rstd)  # (N, C)
+    xhat = (x - mean).mul_(rstd)  # (N, C)
     y = xhat * w if b is None else torch.addcmul(b, xhat, w)  # (N, C)
     return y, (xhat, w, rstd)
 
