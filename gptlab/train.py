@@ -14,9 +14,9 @@ reference model (``gptlab.reference.torch_gpt``) and ``loss.backward()``. With `
 backend runs the fused eager path (``gptlab.fast``: GPT-2's models; options ``recompute``,
 ``attention="flash"``, ``classifier="chunked"``, ``precision="bfloat16"`` or ``"float16"`` from
 float32 master weights, where a float16 step whose scaled gradients overflow is skipped).
-Everything random is a function of ``seed`` (batches from a saved ``numpy.random.Generator``, dropout from (seed, step),
-evaluation batches fixed per split), so a run stopped at a checkpoint and resumed ends with the
-same weights as a run that never stopped.
+Everything random is a function of ``seed`` (batches from a saved ``numpy.random.Generator``,
+dropout from (seed, step), evaluation batches fixed per split), so a run stopped at a checkpoint
+and resumed ends with the same weights as a run that never stopped.
 
 The loop drives a parallel mode (``gptlab.parallel``; one process is a mode of one rank):
 ``loss, g = mode.loss_and_grads(x, y)`` on the global batch, the norm from ``mode.grad_norm``
