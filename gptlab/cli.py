@@ -27,6 +27,8 @@ TRAIN_GROUPS = {
     "evaluation and checkpoints": ("eval_interval", "eval_iters", "log_format", "out_dir",
                                    "checkpoint_interval", "resume"),
     "runtime": ("backend", "device", "dtype", "threads", "seed"),
+    "speed and memory (gptlab.fast)": ("fused", "recompute", "attention", "classifier",
+                                       "precision", "loss_scale_interval"),
     "parallel": ("parallel", "nproc", "accum_steps"),
 }
 ALIASES = {"lr": ("--learning-rate",)}  # the names other trainers (Hugging Face's) use

@@ -19,6 +19,7 @@ Book: chapter 4 (forward) and chapter 9 (backward).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -155,13 +156,18 @@ def _check_idx(idx, cfg: GPTConfig, name: str = "idx") -> None:
     require_ids_in_range(name, idx, cfg.vocab_size)
 
 
-def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed: int | None = None):
+def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed: int | None = None,
+                recompute: bool = False):
     """idx (B, T) token ids -> (logits (B, T, V), loss or None, cache).
 
     ``targets`` (B, T) gives the mean next-token cross-entropy, plus the blocks' load-balancing
     losses in a model with experts (their sum is ``cache["aux_loss"]``). Dropout
     (``cfg.dropout``) is applied only when ``dropout_seed`` is given: a training step passes a
     fresh seed, evaluation passes none.
+
+    ``recompute`` (activation recomputation, gradient checkpointing): the cache keeps only each
+    block's input (B, T, C), and the backward runs the block's forward again from it
+    (``backward_parts``): n_layer * B*T*C numbers instead of every block's activations.
     """
     check_params(params, cfg)
     _check_idx(idx, cfg)
@@ -170,15 +176,18 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
         if tuple(targets.shape) != tuple(idx.shape):
             raise ValueError(f"targets has shape {tuple(targets.shape)}, idx has {tuple(idx.shape)}")
     training = cfg.dropout > 0.0 and dropout_seed is not None
-    cache = {"cfg": cfg, "training": training}
+    cache = {"cfg": cfg, "training": training, "recompute": recompute}
     seed = dropout_seed if training else None
+    if recompute:  # what the backward needs to run the blocks again
+        cache["params"], cache["dropout_seed"] = params, seed
     x = embed_forward(params, idx, cfg, cache, seed)  # (B, T, C)
     cache["blocks"], aux_losses = [], []
     for layer in range(cfg.n_layer):
         p = block_params(params, layer)
-        x, aux, block_cache = layer_forward(x, p, cfg, layer, seed)  # (B, T, C), aux or None
+        y, aux, block_cache = layer_forward(x, p, cfg, layer, seed)  # (B, T, C), aux or None
         aux_losses.append(aux)
-        cache["blocks"].append(block_cache)
+        cache["blocks"].append(x if recompute else block_cache)  # recompute: the input only
+        x = y
     logits, loss = head_forward(params, x, cfg, cache, targets, aux_losses)  # (B, T, V)
     return logits, loss, cache
 
@@ -247,10 +256,14 @@ def backward_parts(cache: dict, dlogits=None, dxf=None, block_cache=None):
     share). A data-parallel step sends each part's gradients off as soon as it is yielded.
     ``dlogits`` and ``dxf`` as in ``gpt_backward``.
 
-    ``block_cache(layer)``: the cache of block ``layer`` (default ``cache["blocks"][layer]``);
-    ZeRO 3 passes one that gathers the block's weights and runs its forward again.
+    ``block_cache(layer)``: the cache of block ``layer`` (default ``cache["blocks"][layer]``, or
+    after a ``recompute`` forward the block's forward run again from its kept input,
+    ``recompute_block``); ZeRO 3 passes one that gathers the block's weights and runs its
+    forward again.
     """
     cfg = cache["cfg"]
+    if block_cache is None and cache.get("recompute"):
+        block_cache = functools.partial(recompute_block, cache)
     # loss = cross_entropy + sum of the blocks' aux: daux = 1 only when starting from the loss
     daux = 1.0 if dlogits is None and dxf is None else 0.0
     if dlogits is None and dxf is not None:
@@ -299,9 +312,46 @@ def backward_parts(cache: dict, dlogits=None, dxf=None, block_cache=None):
     yield grads
 
 
-def loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, *, dropout_seed=None):
-    """One forward and backward: (loss as a Python float, grads dict)."""
-    _, loss, cache = gpt_forward(params, idx, cfg, targets, dropout_seed=dropout_seed)
+def recompute_block(cache: dict, layer: int):
+    """The cache of block ``layer`` made again from the input a ``recompute`` forward kept, with
+    the forward's parameters and dropout seed (so the same dropout masks)."""
+    x = cache["blocks"][layer]  # (B, T, C) the block's input
+    p = block_params(cache["params"], layer)
+    return layer_forward(x, p, cache["cfg"], layer, cache["dropout_seed"])[2]
+
+
+def cache_bytes(cache, params: dict | None = None) -> int:
+    """The bytes of the arrays a cache holds (nested tuples, lists, dicts), each memory buffer
+    counted once (views of one array share it): what the forward keeps for the backward.
+    The buffers of ``params`` are left out (the cache refers to the weights, it does not hold
+    them)."""
+    weights = _buffers(params or {}, {})
+    return sum(size for key, size in _buffers(cache, {}).items() if key not in weights)
+
+
+def _buffers(obj, found: dict) -> dict:
+    """{a key of each memory buffer the arrays in ``obj`` use: its bytes}, added to ``found``."""
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        for value in obj:
+            _buffers(value, found)
+    elif hasattr(obj, "untyped_storage"):  # a torch tensor: its whole storage
+        storage = obj.untyped_storage()
+        found[storage.data_ptr()] = storage.nbytes()
+    elif isinstance(obj, np.ndarray):
+        while isinstance(obj.base, np.ndarray):  # a view: count the array it views
+            obj = obj.base
+        found[id(obj)] = obj.nbytes
+    return found
+
+
+def loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, *, dropout_seed=None,
+                   recompute: bool = False):
+    """One forward and backward: (loss as a Python float, grads dict). ``recompute``: activation
+    recomputation (see gpt_forward)."""
+    _, loss, cache = gpt_forward(params, idx, cfg, targets, dropout_seed=dropout_seed,
+                                 recompute=recompute)
     grads = gpt_backward(cache)
     return float(loss), grads
 
@@ -309,5 +359,6 @@ def loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, *, dropout_seed=N
 __all__ = [
     "GPTConfig", "param_shapes", "count_params", "init_params", "block_params", "block_options",
     "head_weight", "check_params", "gpt_forward", "gpt_backward", "loss_and_grads",
-    "embed_forward", "layer_forward", "head_forward", "backward_parts",
+    "embed_forward", "layer_forward", "head_forward", "backward_parts", "recompute_block",
+    "cache_bytes",
 ]  # fmt: skip

@@ -10,10 +10,13 @@ One update, number t = 1, 2, ..., max_iters:
 
 Three ways to get the gradients (``TrainConfig.backend``): "numpy" and "torch" run the
 hand-written backward (``gptlab.loss_and_grads``); "autograd" runs the independent torch
-reference model (``gptlab.reference.torch_gpt``) and ``loss.backward()``. Everything random is a
-function of ``seed`` (batches from a saved ``numpy.random.Generator``, dropout from (seed, step),
-evaluation batches fixed per split), so a run stopped at a checkpoint and resumed ends with the
-same weights as a run that never stopped.
+reference model (``gptlab.reference.torch_gpt``) and ``loss.backward()``. With ``fused`` the torch
+backend runs the fused eager path (``gptlab.fast``: GPT-2's models; options ``recompute``,
+``attention="flash"``, ``classifier="chunked"``, ``precision="bfloat16"`` or ``"float16"`` from
+float32 master weights, where a float16 step whose scaled gradients overflow is skipped).
+Everything random is a function of ``seed`` (batches from a saved ``numpy.random.Generator``,
+dropout from (seed, step), evaluation batches fixed per split), so a run stopped at a checkpoint
+and resumed ends with the same weights as a run that never stopped.
 
 The loop drives a parallel mode (``gptlab.parallel``; one process is a mode of one rank):
 ``loss, g = mode.loss_and_grads(x, y)`` on the global batch, the norm from ``mode.grad_norm``
@@ -40,6 +43,7 @@ from tqdm.auto import tqdm
 from .checkpoint import STATE_FILE, read_state, save_run_checkpoint
 from .config import GELU_ALIASES, GELU_FORMS, MLPS, NORMS, POSITIONS, GPTConfig
 from .data import EMBEDDED, get_batch, load_text, split_train_val
+from .fast import ATTENTIONS, CLASSIFIERS, PRECISIONS, FastStep, LossScaler, check_fast_config
 from .model import gpt_forward, init_params, loss_and_grads
 from .optim import SGD, AdamW, matrices_and_positions, matrices_only
 from .parallel import MODES, mode_class
@@ -155,6 +159,22 @@ class TrainConfig:
     threads: int | None = setting(None, "CPU threads torch uses during the run; none: torch's "
                                   "default")
     seed: int = setting(1337, "seed of the initialisation, the batches and dropout")
+    # speed and memory on one device (gptlab.fast, GPT-2's models on torch)
+    fused: bool = setting(False, "the fused eager path gptlab.fast (the same model with fewer "
+                          "temporaries, in-place updates, gradient buffers)")
+    recompute: bool = setting(False, "activation recomputation: keep each block's input only "
+                              "and run the block again in the backward (less memory, one more "
+                              "forward)")
+    attention: str = setting("sdpa", "sdpa: the (T, T) weights held; flash: tiled, O(T) memory "
+                             "(needs --fused)", choices=ATTENTIONS)
+    classifier: str = setting("full", "full: the (B T, V) logits held; chunked: the head and "
+                              "cross-entropy a chunk of tokens at a time (needs --fused)",
+                              choices=CLASSIFIERS)
+    precision: str = setting("float32", "compute precision of --fused: float32, or bfloat16 / "
+                             "float16 (dynamic loss scaling) from float32 master weights",
+                             choices=PRECISIONS)
+    loss_scale_interval: int = setting(1000, "float16: good steps in a row before the loss "
+                                       "scale doubles")
     # parallel training (gptlab.parallel)
     parallel: str = setting("none", "none: one process; ddp: data parallel; zero1, zero2, zero3: "
                             "ZeRO's stages; tensor, pipeline: the model split over the ranks",
@@ -193,9 +213,35 @@ class TrainConfig:
         if self.parallel == "none" and (self.nproc > 1 or self.accum_steps > 1):
             raise ValueError("nproc > 1 and accum_steps > 1 need a parallel mode (--parallel "
                              "ddp, zero1, ...)")
+        self._check_fast_options()
         if len(self.betas) != 2:
             raise ValueError(f"TrainConfig.betas must be two numbers, got {self.betas!r}")
         self.model_config(vocab_size=1)  # validates the model fields now, not mid-run
+
+    def _check_fast_options(self) -> None:
+        """The options of gptlab.fast: ValueError naming the conflict."""
+        needs_fused = [f"{name}={getattr(self, name)!r}" for name, plain in
+                       (("attention", "sdpa"), ("classifier", "full"), ("precision", "float32"))
+                       if getattr(self, name) != plain]  # fmt: skip
+        if needs_fused and not self.fused:
+            raise ValueError(f"{', '.join(needs_fused)} runs on the fused path: add fused=True "
+                             "(--fused)")
+        if (self.fused or self.recompute) and self.parallel != "none":
+            raise ValueError("fused and recompute run in one process: use parallel='none'")
+        if self.fused and self.backend != "torch":
+            raise ValueError(f"the fused path runs on torch: use backend='torch', not "
+                             f"{self.backend!r}")
+        if self.recompute and self.backend == "autograd":
+            raise ValueError("recompute is an option of the hand-written backward, not of "
+                             "backend='autograd'")
+        if self.precision != "float32" and self.dtype != "float32":
+            raise ValueError(f"precision={self.precision!r} keeps float32 master weights: use "
+                             f"dtype='float32', not {self.dtype!r}")
+        if self.loss_scale_interval < 1:
+            raise ValueError(f"TrainConfig.loss_scale_interval must be >= 1, got "
+                             f"{self.loss_scale_interval!r}")
+        if self.fused:
+            check_fast_config(self.model_config(vocab_size=1))
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
@@ -243,8 +289,19 @@ def _loss_functions(cfg: TrainConfig, model_cfg: GPTConfig):
     """(loss_and_grads(params, x, y, dropout_seed) -> (float, grads),
     loss(params, x, y) -> float)."""
     if cfg.backend != "autograd":
-        def train_loss(params, x, y, seed):
-            return loss_and_grads(params, x, y, model_cfg, dropout_seed=seed)
+        if cfg.fused:
+            scaler = None
+            if cfg.precision == "float16":
+                scaler = LossScaler(growth_interval=cfg.loss_scale_interval)
+            step = FastStep(model_cfg, cfg.precision, attention=cfg.attention,
+                            classifier=cfg.classifier, recompute=cfg.recompute, scaler=scaler)
+
+            def train_loss(params, x, y, seed):  # grads None: float16 overflowed, no update
+                return step(params, x, y)
+        else:
+            def train_loss(params, x, y, seed):
+                return loss_and_grads(params, x, y, model_cfg, dropout_seed=seed,
+                                      recompute=cfg.recompute)
 
         def eval_loss(params, x, y):
             return float(gpt_forward(params, x, model_cfg, y)[1])
@@ -450,6 +507,10 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
         x, y = get_batch(train_ids, cfg.batch_size, cfg.block_size, rng, cfg.array_backend, device)
         seed = {"dropout_seed": dropout_seed(cfg.seed, step)} if cfg.dropout > 0.0 else {}
         loss, grads, norm = clipped_grads(mode, x, y, cfg.grad_clip, **seed)
+        if grads is None:  # float16's scaled gradients overflowed: no update, a smaller scale
+            step += 1
+            bar.update(1)
+            continue
         if not (math.isfinite(loss) and math.isfinite(norm)):
             bar.close()
             kept = (f"the checkpoint of step {read_state(out_dir)['step']} in {out_dir} is "

@@ -32,7 +32,9 @@ CHOICES = {"gelu": ("tanh", "erf"), "tokenizer": ("char", "bpe"), "optimizer": (
            "backend": ("numpy", "torch", "autograd"), "dtype": ("float32", "float64"),
            "position": ("learned", "sinusoidal", "rope"), "norm": ("layernorm", "rmsnorm"),
            "mlp": ("gelu", "swiglu", "moe"),
-           "parallel": ("none", "ddp", "zero1", "zero2", "zero3", "tensor", "pipeline")}
+           "parallel": ("none", "ddp", "zero1", "zero2", "zero3", "tensor", "pipeline"),
+           "attention": ("sdpa", "flash"), "classifier": ("full", "chunked"),
+           "precision": ("float32", "bfloat16", "float16")}
 # Two configs that, between them, set every field to something other than its default (no one
 # config can: the autograd backend has no dropout, threads is torch's, not numpy's, and LLaMA's
 # SwiGLU has no biases, a mixture of experts has).
@@ -47,12 +49,17 @@ AUTOGRAD_RUN = dict(
     max_iters=7, lr_schedule="inverse_sqrt", warmup_iters=3, min_lr=1e-5, lr_decay_iters=6,
     eval_interval=2, eval_iters=4, log_format="jsonl", out_dir="runs/x", checkpoint_interval=0,
     resume=True, backend="autograd", device="cuda:1", dtype="float64", threads=3, seed=7,
-    parallel="none", nproc=1, accum_steps=1,
+    parallel="none", nproc=1, accum_steps=1, fused=False, recompute=False, attention="sdpa",
+    classifier="full", precision="float32", loss_scale_interval=1000,
 )
 NUMPY_RUN = dict(AUTOGRAD_RUN, backend="numpy", device="cpu", dropout=0.1, threads=None,
                  bias=True, mlp="moe", n_expert=4, expert_top_k=1, capacity_factor=1.5,
                  aux_loss_weight=0.1)
 PARALLEL_RUN = dict(AUTOGRAD_RUN, backend="torch", parallel="zero3", nproc=2, accum_steps=3)
+FAST_RUN = dict(AUTOGRAD_RUN, backend="torch", dtype="float32", position="learned",
+                norm="layernorm", mlp="gelu", n_kv_head=None, tie_embeddings=True, fused=True,
+                recompute=True, attention="flash", classifier="chunked", precision="float16",
+                loss_scale_interval=50)  # the fused path covers GPT-2's models
 
 
 def subcommand(name: str) -> argparse.ArgumentParser:
@@ -151,15 +158,15 @@ def test_a_stored_config_with_the_old_spelling_loads():
 
 def test_every_field_has_an_option_and_the_defaults_match():
     assert config_from_args(build_parser().parse_args(["train"])) == TrainConfig()
-    changed = {name for run in (AUTOGRAD_RUN, NUMPY_RUN, PARALLEL_RUN)
+    changed = {name for run in (AUTOGRAD_RUN, NUMPY_RUN, PARALLEL_RUN, FAST_RUN)
                for name, value in run.items()
                if value != getattr(TrainConfig(), name)}
     assert changed == set(FIELDS) == set(AUTOGRAD_RUN)
 
 
 @pytest.mark.parametrize("sep", ["-", "_"], ids=["hyphens", "underscores"])
-@pytest.mark.parametrize("values", [AUTOGRAD_RUN, NUMPY_RUN, PARALLEL_RUN],
-                         ids=["autograd", "numpy", "parallel"])
+@pytest.mark.parametrize("values", [AUTOGRAD_RUN, NUMPY_RUN, PARALLEL_RUN, FAST_RUN],
+                         ids=["autograd", "numpy", "parallel", "fast"])
 def test_config_to_argv_to_config_round_trips(values, sep):
     cfg = TrainConfig(**values)
     argv = ["train", *_cli_args(sep, **asdict(cfg))]

@@ -105,10 +105,13 @@ def accumulate(grads: dict, more: dict) -> None:
 
 def clipped_grads(mode, idx, targets, grad_clip: float = 0.0, **options):
     """The training loop's step before the update: (loss, grads clipped to a global norm of
-    ``grad_clip`` when it is > 0, the global norm before clipping). ``options`` go to the mode's
+    ``grad_clip`` when it is > 0, the global norm before clipping; grads None and norm nan when
+    the mode skipped the step). ``options`` go to the mode's
     loss_and_grads (dropout_seed). The update is then
     ``mode.params = optimizer.step(mode.params, grads, lr=lr)``."""
     loss, grads = mode.loss_and_grads(idx, targets, **options)
+    if grads is None:  # a mixed-precision step skipped on overflow (gptlab.fast.FastStep)
+        return loss, None, math.nan
     norm = mode.grad_norm(grads)
     if grad_clip > 0:
         clip_grad_norm(grads, grad_clip, norm=norm)

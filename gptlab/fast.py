@@ -1,0 +1,387 @@
+"""The fused eager path: GPT-2's forward and hand-written backward on torch, with fewer temporaries.
+
+The same model and the same formulas as ``gptlab.model`` (the book's readable layer functions),
+written for speed instead of for reading one layer at a time:
+
+- the inputs are checked once, here at the model's boundary, not in every inner call;
+- tokens are rows: every activation is (N, C) with N = B*T, so a linear layer is one addmm
+  (bias fused into the matmul) and its weight gradient one mm written ``out=`` a buffer;
+- element-wise steps run in place where the formula allows (LayerNorm's xhat overwrites x - mean,
+  the softmax exponentiates the scores where they lie, the GELU derivative is built in one
+  temporary and multiplied into dy);
+- the cross-entropy gradient dlogits = (probs - onehot) / N is written into the probabilities'
+  own buffer, which held the logits before;
+- the gradients land in preallocated ``buffers`` (the grads dict returned, reused across steps).
+
+Switches: ``attention="flash"`` (``layers/flash_attention.py``, O(T) memory per row),
+``classifier="chunked"`` (``layers/chunked_classifier.py``, never the whole (N, V) logits),
+``recompute=True`` (each block keeps only its input and runs its forward again in the backward),
+``loss_scale`` (the backward starts from dloss = loss_scale: float16's loss scaling).
+
+Covered: GPT-2's models (pre-LN, LayerNorm, GELU MLP tanh or erf, learned positions, tied head,
+with or without biases, no dropout). Other configs (LLaMA's parts, experts, post-LN, dropout,
+sinusoidal positions, an untied head) are refused with a ValueError naming the field: use
+``gptlab.model.loss_and_grads`` for them.
+
+Mixed precision (``MixedPrecision``): float32 master weights, bfloat16 or float16 compute through
+this path, gradients returned in float32; float16 with a dynamic ``LossScaler``.
+
+Book: chapter 14.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import GPTConfig
+from .layers.chunked_classifier import chunked_classifier_forward
+from .layers.flash_attention import flash_attention_backward, flash_attention_forward
+from .layers.gelu import _INV_SQRT_2PI, _SQRT_2_OVER_PI
+from .model import _check_idx, block_params, check_params
+
+ATTENTIONS = ("sdpa", "flash")
+CLASSIFIERS = ("full", "chunked")
+PRECISIONS = ("float32", "bfloat16", "float16")
+_GELU_CUBIC = 0.044715
+
+
+def check_fast_config(cfg: GPTConfig) -> None:
+    """ValueError naming the first field the fused path does not cover (GPT-2's models only)."""
+    gpt2 = {"ln_order": "pre", "norm": "layernorm", "mlp": "gelu", "position": "learned",
+            "n_kv_head": None, "tie_embeddings": True, "dropout": 0.0}
+    for name, value in gpt2.items():
+        if getattr(cfg, name) != value:
+            raise ValueError(f"the fused path covers GPT-2's models only: GPTConfig.{name}="
+                             f"{getattr(cfg, name)!r} (it needs {value!r}); use "
+                             "gptlab.model.loss_and_grads for this config")  # fmt: skip
+
+
+def new_grad_buffers(params: dict) -> dict:
+    """Zeroed gradient buffers, one per parameter (same shape, dtype, device)."""
+    return {name: torch.zeros_like(p) for name, p in params.items()}
+
+
+def _check_call(params, idx, targets, cfg, buffers, attention, classifier) -> None:
+    """Every input check of a step, once, at the model's boundary."""
+    check_fast_config(cfg)
+    check_params(params, cfg)
+    if not isinstance(params["wte.weight"], torch.Tensor):
+        raise TypeError("the fused path runs on torch tensors, got "
+                        f"{type(params['wte.weight']).__name__}: use backend='torch'")
+    _check_idx(idx, cfg)
+    _check_idx(targets, cfg, "targets")
+    if tuple(targets.shape) != tuple(idx.shape):
+        raise ValueError(f"targets has shape {tuple(targets.shape)}, idx has {tuple(idx.shape)}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    if classifier not in CLASSIFIERS:
+        raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {classifier!r}")
+    if buffers is not None:
+        for name, p in params.items():
+            g = buffers.get(name)
+            if g is None or g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+                raise ValueError(f"buffers[{name!r}] must be a tensor like params[{name!r}] "
+                                 f"{tuple(p.shape)} {p.dtype}: make them with new_grad_buffers")
+
+
+# --- the parts, on rows (N, C) ------------------------------------------------------------------
+
+
+def _layernorm(x, w, b, eps):
+    """x (N, C) -> (y (N, C), cache (xhat, w, rstd))."""
+    var, mean = torch.var_mean(x, -1, correction=0, keepdim=True)  # (N, 1) each, biased var
+    rstd = var.add_(eps).rsqrt_()  # (N, 1)
+    xhat = (x - mean).mul_(rstd)  # (N, C)
+    y = xhat * w if b is None else torch.addcmul(b, xhat, w)  # (N, C)
+    return y, (xhat, w, rstd)
+
+
+def _layernorm_back(dy, cache, dw, db):
+    """dy (N, C) -> dx (N, C); dw, db (C,) written into the buffers (db None: no bias)."""
+    xhat, w, rstd = cache
+    # y = xhat * w + b
+    dy_xhat = dy * xhat  # (N, C)
+    torch.sum(dy_xhat, 0, out=dw)
+    if db is not None:
+        torch.sum(dy, 0, out=db)
+    # xhat = (x - mean) * rstd: dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+    mean_dxhat_xhat = dy_xhat.mul_(w).mean(-1, keepdim=True)  # (N, 1)
+    dx = dy * w  # (N, C) dxhat
+    mean_dxhat = dx.mean(-1, keepdim=True)  # (N, 1)
+    dx.sub_(mean_dxhat).addcmul_(xhat, mean_dxhat_xhat, value=-1.0).mul_(rstd)  # (N, C)
+    return dx
+
+
+def _linear(x, w, b):
+    """x (N, in) @ w (in, out) + b: one addmm."""
+    return x @ w if b is None else torch.addmm(b, x, w)  # (N, out)
+
+
+def _linear_back(dy, x, w, dw, db):
+    """y = x @ w + b: dw = x^T dy and db = sum(dy) written into the buffers; returns dx."""
+    torch.mm(x.T, dy, out=dw)
+    if db is not None:
+        torch.sum(dy, 0, out=db)
+    return dy @ w.T  # (N, in)
+
+
+def _gelu_phi(h, approximate):
+    """Phi(h) (N, H) of the GELU y = h * Phi(h), in one buffer."""
+    if approximate == "tanh":
+        # Phi = 0.5 * (1 + tanh(sqrt(2/pi) * (h + 0.044715 h^3)))
+        phi = h * h  # (N, H)
+        phi.mul_(_GELU_CUBIC).add_(1.0).mul_(h).mul_(_SQRT_2_OVER_PI).tanh_()
+        return phi.add_(1.0).mul_(0.5)  # (N, H)
+    return torch.special.ndtr(h)  # (N, H) Phi = 0.5 * (1 + erf(h / sqrt(2))), in one pass
+
+
+def _gelu_back_(dg, h, phi, approximate):
+    """dg (N, H) becomes dh = dg * (Phi + h * Phi'(h)) in place (one temporary)."""
+    if approximate == "tanh":
+        # Phi' = 0.5 * (1 - tanh^2) * sqrt(2/pi) * (1 + 3 * 0.044715 h^2), tanh = 2 Phi - 1
+        slope = h * h  # (N, H)
+        slope.mul_(3.0 * _GELU_CUBIC).add_(1.0).mul_(0.5 * _SQRT_2_OVER_PI)
+        tanh = phi * 2.0 - 1.0  # (N, H)
+        slope.mul_(tanh.mul_(tanh).neg_().add_(1.0))
+    else:
+        # Phi' = exp(-h^2 / 2) / sqrt(2 pi)
+        slope = h * h  # (N, H)
+        slope.mul_(-0.5).exp_().mul_(_INV_SQRT_2PI)
+    return dg.mul_(slope.mul_(h).add_(phi))  # (N, H) dy * (Phi + h * Phi')
+
+
+def _attention_core(qkv, B, T, n_head, attention):
+    """qkv (N, 3C) -> (heads (N, C), cache): causal multi-head attention."""
+    C = qkv.shape[1] // 3
+    q, k, v = qkv.view(B, T, 3, n_head, C // n_head).permute(2, 0, 3, 1, 4)  # (B, NH, T, hs)
+    if attention == "flash":
+        out, cache = flash_attention_forward(q, k, v, causal=True)  # (B, NH, T, hs)
+    else:
+        att = q @ k.transpose(-1, -2)  # (B, NH, T, T) scores, made the weights in place
+        att.mul_(1.0 / math.sqrt(C // n_head))
+        hidden = torch.ones(T, T, dtype=torch.bool, device=qkv.device).triu_(1)  # (T, T) j > i
+        att.masked_fill_(hidden, -math.inf)
+        att.sub_(att.amax(-1, keepdim=True)).exp_()
+        att.div_(att.sum(-1, keepdim=True))  # (B, NH, T, T) rows sum to 1
+        out, cache = att @ v, (q, k, v, att)  # (B, NH, T, hs)
+    return out.transpose(1, 2).reshape(B * T, C), cache  # (N, C)
+
+
+def _attention_core_back(dheads, cache, B, T, n_head, attention):
+    """dheads (N, C) -> dqkv (N, 3C)."""
+    C = dheads.shape[1]
+    dout = dheads.view(B, T, n_head, C // n_head).transpose(1, 2)  # (B, NH, T, hs)
+    if attention == "flash":
+        dq, dk, dv = flash_attention_backward(dout, cache)  # (B, NH, T, hs) each
+    else:
+        q, k, v, att = cache
+        # out = att @ v
+        dv = att.transpose(-1, -2) @ dout  # (B, NH, T, hs)
+        datt = dout @ v.transpose(-1, -2)  # (B, NH, T, T)
+        # att = softmax(scores): dscores = att * (datt - sum_j att * datt), in datt's buffer
+        datt.mul_(att)
+        datt.addcmul_(att, datt.sum(-1, keepdim=True), value=-1.0)
+        # scores = q @ k^T * scale
+        datt.mul_(1.0 / math.sqrt(C // n_head))
+        dq, dk = datt @ k, datt.transpose(-1, -2) @ q  # (B, NH, T, hs)
+    # q, k, v = split(qkv): one copy into qkv's layout (B, T, 3, NH, hs)
+    dqkv = torch.stack((dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)), 2)
+    return dqkv.view(B * T, 3 * C)  # (N, 3C)
+
+
+def _block_forward(x, p, cfg, B, T, attention):
+    """Block ``p`` (names without ``h.{l}.``) on x (N, C) -> (y (N, C), cache), pre-LN:
+    x1 = x + attn(LN1(x)),  y = x1 + mlp(LN2(x1))."""
+    eps = cfg.layer_norm_epsilon
+    h1, ln1 = _layernorm(x, p["ln_1.weight"], p.get("ln_1.bias"), eps)  # (N, C)
+    qkv = _linear(h1, p["attn.c_attn.weight"], p.get("attn.c_attn.bias"))  # (N, 3C)
+    heads, core = _attention_core(qkv, B, T, cfg.n_head, attention)  # (N, C)
+    x1 = _linear(heads, p["attn.c_proj.weight"], p.get("attn.c_proj.bias")).add_(x)  # (N, C)
+    h2, ln2 = _layernorm(x1, p["ln_2.weight"], p.get("ln_2.bias"), eps)  # (N, C)
+    hpre = _linear(h2, p["mlp.c_fc.weight"], p.get("mlp.c_fc.bias"))  # (N, 4C)
+    phi = _gelu_phi(hpre, cfg.gelu_approximate)  # (N, 4C)
+    g = hpre * phi  # (N, 4C) gelu(hpre)
+    y = _linear(g, p["mlp.c_proj.weight"], p.get("mlp.c_proj.bias")).add_(x1)  # (N, C)
+    return y, (h1, ln1, core, heads, h2, ln2, hpre, phi, g)
+
+
+def _block_backward(dy, cache, p, grads, prefix, cfg, B, T, attention):
+    """dy (N, C) -> dx (N, C); the block's gradients written into grads[prefix + name]."""
+    h1, ln1, core, heads, h2, ln2, hpre, phi, g = cache
+    d = {name: grads.get(prefix + name) for name in
+         ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+          "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+          "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")}
+    # y = x1 + gelu(hpre) @ w_proj + b_proj: dy reaches x1 and the MLP
+    dg = _linear_back(dy, g, p["mlp.c_proj.weight"], d["mlp.c_proj.weight"], d["mlp.c_proj.bias"])
+    # g = hpre * Phi(hpre)
+    dhpre = _gelu_back_(dg, hpre, phi, cfg.gelu_approximate)  # (N, 4C)
+    # hpre = h2 @ w_fc + b_fc
+    dh2 = _linear_back(dhpre, h2, p["mlp.c_fc.weight"], d["mlp.c_fc.weight"], d["mlp.c_fc.bias"])
+    # h2 = LN2(x1), and the residual: dx1 = dy + LN2's input gradient
+    dx1 = _layernorm_back(dh2, ln2, d["ln_2.weight"], d["ln_2.bias"]).add_(dy)  # (N, C)
+    # x1 = x + heads @ w_proj + b_proj
+    dheads = _linear_back(dx1, heads, p["attn.c_proj.weight"], d["attn.c_proj.weight"],
+                          d["attn.c_proj.bias"])  # (N, C)
+    # heads = attention(qkv)
+    dqkv = _attention_core_back(dheads, core, B, T, cfg.n_head, attention)  # (N, 3C)
+    # qkv = h1 @ w_attn + b_attn
+    dh1 = _linear_back(dqkv, h1, p["attn.c_attn.weight"], d["attn.c_attn.weight"],
+                       d["attn.c_attn.bias"])  # (N, C)
+    # h1 = LN1(x), and the residual: dx = dx1 + LN1's input gradient
+    return _layernorm_back(dh1, ln1, d["ln_1.weight"], d["ln_1.bias"]).add_(dx1)  # (N, C)
+
+
+def fast_loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, buffers=None, *,
+                        attention: str = "sdpa", classifier: str = "full",
+                        recompute: bool = False, loss_scale: float = 1.0):  # fmt: skip
+    """One forward and hand-written backward of a GPT-2 model on torch: (loss as a Python float,
+    grads dict), as ``gptlab.model.loss_and_grads``. ``buffers`` (``new_grad_buffers``): the
+    tensors the gradients are written into, returned as the grads dict (so a caller that keeps
+    last step's gradients must copy them). ``loss_scale``: the gradients are those of
+    loss_scale * loss (the returned loss is not scaled)."""
+    _check_call(params, idx, targets, cfg, buffers, attention, classifier)
+    grads = new_grad_buffers(params) if buffers is None else buffers
+    B, T = idx.shape
+    N, C = B * T, cfg.n_embd
+    wte = params["wte.weight"]  # (V, C)
+    ids, target_ids = idx.reshape(N), targets.reshape(N)  # (N,)
+    # x0 = wte[idx] + wpe[0..T-1]
+    x = wte[ids].view(B, T, C).add_(params["wpe.weight"][:T]).view(N, C)  # (N, C)
+    blocks = []
+    for layer in range(cfg.n_layer):
+        p = block_params(params, layer)
+        y, cache = _block_forward(x, p, cfg, B, T, attention)  # (N, C)
+        blocks.append(x if recompute else cache)  # recompute keeps the block's input only
+        x = y
+    # xf = LN_f(x)
+    xf, ln_f = _layernorm(x, params["ln_f.weight"], params.get("ln_f.bias"),
+                          cfg.layer_norm_epsilon)  # (N, C)
+    dwte = grads["wte.weight"]  # (V, C), the head's share first
+    if classifier == "chunked":
+        loss, (dxf, dwte_head) = chunked_classifier_forward(xf, wte, target_ids)
+        loss = float(loss)
+        dwte.copy_(dwte_head).mul_(loss_scale)
+        dxf = dxf.mul_(loss_scale)  # (N, C)
+    else:
+        logits = xf @ wte.T  # (N, V), becomes dlogits in place
+        loss = _softmax_cross_entropy_(logits, target_ids, loss_scale)
+        # logits = xf @ wte^T
+        torch.mm(logits.T, xf, out=dwte)
+        dxf = logits @ wte  # (N, C)
+        del logits
+    dx = _layernorm_back(dxf, ln_f, grads["ln_f.weight"], grads.get("ln_f.bias"))  # (N, C)
+    for layer in reversed(range(cfg.n_layer)):
+        p = block_params(params, layer)
+        cache = blocks[layer]
+        if recompute:  # the block's forward again, from its kept input
+            cache = _block_forward(cache, p, cfg, B, T, attention)[1]
+        dx = _block_backward(dx, cache, p, grads, f"h.{layer}.", cfg, B, T, attention)
+        blocks[layer] = None  # free the block's activations as soon as they are used
+    # x0 = wte[idx] + wpe[0..T-1]
+    torch.sum(dx.view(B, T, C), 0, out=grads["wpe.weight"][:T])
+    grads["wpe.weight"][T:].zero_()
+    dwte.index_add_(0, ids, dx)  # the embedding's share, added to the head's
+    return loss, grads
+
+
+def _softmax_cross_entropy_(logits, targets, scale: float) -> float:
+    """logits (N, V), targets (N,) -> the mean cross-entropy (float); logits' buffer becomes
+    dlogits = scale * (softmax(logits) - onehot(targets)) / N."""
+    N = logits.shape[0]
+    rows = torch.arange(N, device=logits.device)
+    row_max = logits.amax(-1, keepdim=True)  # (N, 1)
+    # loss_n = log(sum_j exp(logits_nj - max_n)) - (logits_n[target_n] - max_n)
+    picked = logits[rows, targets] - row_max[:, 0]  # (N,)
+    logits.sub_(row_max).exp_()  # (N, V) exp of the shifted logits
+    total = logits.sum(-1, keepdim=True)  # (N, 1)
+    loss = float((total[:, 0].double().log() - picked.double()).mean())
+    # dlogits = (probs - onehot) / N, times the loss scale
+    logits.div_(total)  # (N, V) probs
+    logits[rows, targets] -= 1.0
+    logits.mul_(scale / N)
+    return loss
+
+
+class LossScaler:
+    """float16's dynamic loss scaling (Micikevicius et al. 2018, "Mixed Precision Training").
+
+    float16 ends at 65504 and its smallest subnormal is 6e-8: small gradients flush to zero. The
+    backward therefore starts from dloss = ``scale`` (every gradient scaled up), and the float32
+    gradients are divided by it again. A step whose scaled gradients overflow (inf or nan) is
+    skipped and the scale halved; after ``growth_interval`` good steps in a row it doubles.
+    Counts: ``skipped`` steps, ``growths`` of the scale, ``good_steps`` since the last change."""
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, factor: float = 2.0):
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"growth_interval must be an integer >= 1, got {growth_interval!r}")
+        if not (scale > 0 and math.isfinite(scale)) or not factor > 1:
+            raise ValueError(f"scale must be a finite number > 0 and factor > 1, got "
+                             f"scale={scale!r}, factor={factor!r}")  # fmt: skip
+        self.scale, self.growth_interval, self.factor = float(scale), growth_interval, factor
+        self.good_steps, self.skipped, self.growths = 0, 0, 0
+
+    def update(self, finite: bool) -> bool:
+        """Record a step whose scaled gradients were ``finite`` or not; True: take the step."""
+        if not finite:  # overflow: skip the update, halve the scale
+            self.scale /= self.factor
+            self.good_steps, self.skipped = 0, self.skipped + 1
+            return False
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:  # long enough without overflow: grow
+            self.scale *= self.factor
+            self.good_steps, self.growths = 0, self.growths + 1
+        return True
+
+
+class FastStep:
+    """A training step through the fused path at a ``precision``: "float32" (the parameters' own
+    dtype, float64 too), or "bfloat16" /
+    "float16" compute from float32 master weights (the optimizer's state stays float32 too, as
+    it is built over the master weights). float16 scales the loss with ``scaler`` (a fresh
+    ``LossScaler`` by default). ``options``: fast_loss_and_grads's attention, classifier,
+    recompute.
+
+        loss, grads = step(master_params, idx, targets)
+        grads: float32, like the master weights; None when float16 overflowed (skip the update)
+    """
+
+    def __init__(self, cfg: GPTConfig, precision: str = "float32", *, scaler=None, **options):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        check_fast_config(cfg)
+        self.cfg, self.precision, self.options = cfg, precision, options
+        self.dtype = getattr(torch, precision)
+        if scaler is not None and precision != "float16":
+            raise ValueError(f"a loss scaler is for float16 (its range ends at 65504), not "
+                             f"precision={precision!r}")
+        self.scaler = (scaler or LossScaler()) if precision == "float16" else None
+        self.buffers = None
+
+    def __call__(self, params: dict, idx, targets):
+        if self.precision != "float32" and params["wte.weight"].dtype != torch.float32:
+            raise TypeError(f"mixed precision keeps float32 master weights, got "
+                            f"{params['wte.weight'].dtype}")  # fmt: skip
+        compute = params  # "float32": the model's own dtype (float64 too), no copy
+        if self.precision != "float32":
+            compute = {name: p.to(self.dtype) for name, p in params.items()}  # compute copies
+        if self.buffers is None:
+            self.buffers = new_grad_buffers(compute)
+        scale = 1.0 if self.scaler is None else self.scaler.scale
+        loss, grads = fast_loss_and_grads(compute, idx, targets, self.cfg, self.buffers,
+                                          loss_scale=scale, **self.options)  # fmt: skip
+        if self.precision == "float32":
+            return loss, grads
+        master_grads = {name: g.float().div_(scale) for name, g in grads.items()}  # float32
+        if self.scaler is not None:
+            finite = math.isfinite(loss) and all(bool(torch.isfinite(g).all())
+                                                  for g in master_grads.values())
+            if not self.scaler.update(finite):
+                return loss, None
+        return loss, master_grads
+
+
+__all__ = ["fast_loss_and_grads", "new_grad_buffers", "check_fast_config", "LossScaler",
+           "FastStep", "ATTENTIONS", "CLASSIFIERS", "PRECISIONS"]
