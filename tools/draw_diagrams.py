@@ -25,7 +25,7 @@ SMALL = 11.5  # points: shapes on the arrows, notes (11.4 at the 760 px column)
 
 STREAM = "#3b6ea8"   # the residual stream and its gradient
 COLORS = {"norm": "#e6def3", "attn": "#fde3c4", "mlp": "#d8ebd2", "embed": "#d7e6f6",
-          "loss": "#f6d5d5", "plain": "#f2f2f2"}
+          "loss": "#f6d5d5"}
 
 plt.rcParams.update({"svg.hashsalt": "gptlab", "svg.fonttype": "path", "font.size": FONT,
                      "font.family": "DejaVu Sans", "mathtext.fontset": "dejavusans"})
@@ -41,12 +41,11 @@ def canvas(height: float):
     return fig, ax
 
 
-def box(ax, x, y, w, h, text, kind="plain", size=FONT, dashed=False):
+def box(ax, x, y, w, h, text, kind, size=FONT):
     """A rounded box centred at (x, y), w x h inches, filled by its kind, with centred text."""
     ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h,
                                 boxstyle="round,pad=0,rounding_size=0.08",
-                                facecolor=COLORS[kind], edgecolor="0.25", lw=1.1,
-                                linestyle="--" if dashed else "-"))
+                                facecolor=COLORS[kind], edgecolor="0.25", lw=1.1))
     ax.text(x, y, text, ha="center", va="center", fontsize=size, linespacing=1.3)
 
 
@@ -101,7 +100,7 @@ def branch(ax, x_split, x_add, y_stream, x_col, steps, width, return_label):
             arrow(ax, (x_col, ys[i] + 0.25), (x_col, ys[i + 1] - 0.25), label=shape)
     top = ys[-1]
     arrow(ax, (x_col + width / 2, top), (x_add, top), (x_add, y_stream + 0.14),
-          label=return_label, side="right")
+          label=return_label)
     plus(ax, x_add, y_stream)
 
 
@@ -149,7 +148,7 @@ def residual_stream() -> None:
         box(ax, 5.4, y + 0.2, 1.9, 0.55, name, "attn")
         arrow(ax, (x, y), (4.45, y), color=STREAM)
         arrow(ax, (6.35, y + 0.2), (6.7, y + 0.2), (6.7, y + 0.6), (x + 0.14, y + 0.6),
-              color=STREAM, label="adds (B, T, C)" if name == "block 1" else None, side="right")
+              color=STREAM, label="adds (B, T, C)" if name == "block 1" else None)
         plus(ax, x, y + 0.6)
     ax.text(5.4, 3.55, "⋮", ha="center", va="center", fontsize=16)
     ax.text(x - 0.2, 3.3, "residual\nstream\n(B, T, C)", ha="right", va="center",
@@ -159,7 +158,7 @@ def residual_stream() -> None:
     box(ax, x, 4.85, 2.2, 0.5, "LN$_f$ (ln_f)", "norm")
     arrow(ax, (x, 5.1), (x, 5.45), label="x$_f$ (B, T, C)")
     box(ax, x, 5.7, 3.3, 0.5, "logits = x$_f$ wte$^T$   (B, T, V)", "embed")
-    arrow(ax, (x + 1.65, 5.7), (5.75, 5.7), label=None)
+    arrow(ax, (x + 1.65, 5.7), (5.75, 5.7))
     box(ax, 6.85, 5.7, 2.2, 0.5, "loss: cross-entropy\nwith targets (B, T)", "loss", size=SMALL)
     arrow(ax, (0.45, 0.75), (0.45, 5.7), (x - 1.65, 5.7), dashed=True, color="0.35")
     along(ax, 0.6, 3.2, "the same wte, transposed (tied)")
