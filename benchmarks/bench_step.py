@@ -38,6 +38,7 @@ a few). Writes ``benchmarks/results/step.json`` and ``.md`` (``step_quick.*`` wi
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -185,7 +186,7 @@ def measure_size(name: str, size: dict, args) -> dict:
             start = time.perf_counter()
             losses[contender] = float(step(*inputs)[0])  # warm-up; compiles the compiled ones
             print(f"{name}: {contender} warm-up {time.perf_counter() - start:.1f} s", flush=True)
-            steps[contender] = (lambda s: lambda: s(*inputs))(step)
+            steps[contender] = functools.partial(step, *inputs)
         except Exception as e:  # noqa: BLE001 (a failed compilation skips the contender)
             skipped[contender] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(f"skipped {contender}: {skipped[contender]}", flush=True)
@@ -263,7 +264,8 @@ def main() -> None:
                         help="a smoke run: 3 rounds, the recipe size only, a small peak mm")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
-    parser.add_argument("--peak-n", type=int, default=2048, help="side of the peak's matmul")
+    parser.add_argument("--peak-n", type=int, default=None,
+                        help="side of the peak's matmul (default 2048 on CPU, 8192 on CUDA)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--note", default="")
@@ -271,8 +273,10 @@ def main() -> None:
     parser.add_argument("--markdown-only", action="store_true",
                         help="rewrite the .md from the existing results .json")
     args = parser.parse_args()
+    if args.peak_n is None:
+        args.peak_n = 8192 if args.device == "cuda" else 2048
     if args.quick:
-        args.rounds, args.sizes, args.peak_n = 3, ["recipe"], 1024
+        args.rounds, args.sizes, args.peak_n = 3, ["recipe"], args.peak_n // 2
     name = "step" + ("_quick" if args.quick else "") + ("_cuda" if args.device == "cuda" else "")
     report(name, args, run, markdown)
 
