@@ -7,7 +7,9 @@ idiomatic torch, time, peak memory and achieved FLOP/s.
 Contenders, every one computing the loss and the gradient of every parameter of the same model
 (the same params dict, float32, no dropout, no biases, the exact GELU, as nanoGPT's recipe):
 - hand-written: ``gptlab.model.loss_and_grads`` on torch tensors (the book's layer functions);
-- hand-written fused: ``gptlab.fast.fast_loss_and_grads`` (skipped while it does not exist);
+- hand-written fused: ``gptlab.fast.fast_loss_and_grads`` (skipped while it does not exist),
+  called without ``buffers``, so its gradients are allocated inside the step as every other
+  contender's (peak memory like for like);
 - autograd: ``gptlab.reference.torch_gpt.reference_forward`` (torch ops, attention written out
   with ``masked_fill``) differentiated by ``torch.autograd.grad``;
 - idiomatic torch: ``idiomatic_loss`` below, the model as one would write it in torch
