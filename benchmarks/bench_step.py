@@ -168,8 +168,9 @@ def paired_times(steps: dict, rounds: int, device: str) -> dict:
     return seconds
 
 
-def median_ratio(a: list, b: list) -> float:
-    return statistics.median(x / y for x, y in zip(a, b))
+def ratio_quartiles(a: list, b: list) -> tuple[float, float, float]:
+    """Quartiles (25%, median, 75%) of the per-round ratios a[i] / b[i]."""
+    return tuple(statistics.quantiles([x / y for x, y in zip(a, b)], n=4, method="inclusive"))
 
 
 def measure_size(name: str, size: dict, args) -> dict:
@@ -200,8 +201,9 @@ def measure_size(name: str, size: dict, args) -> dict:
     for c, s in seconds.items():
         t = statistics.median(s)
         like = COMPILED_BASELINE if "compiled" in c and COMPILED_BASELINE in seconds else BASELINE
-        rows[c] = {"median_s": t, "ratio_to_autograd": median_ratio(s, seconds[BASELINE]),
-                   "like_for_like": like, "ratio_like_for_like": median_ratio(s, seconds[like]),
+        rows[c] = {"median_s": t, "ratio_to_autograd": ratio_quartiles(s, seconds[BASELINE])[1],
+                   "like_for_like": like,
+                   "ratio_like_for_like": ratio_quartiles(s, seconds[like])[1],
                    "peak_bytes": peaks.get(c), "flops_per_s": flops / t,
                    "tokens_per_s": idx.numel() / t, "seconds": s}  # fmt: skip
         print(f"{name}: {c:28s} {1000 * t:8.1f} ms  x{rows[c]['ratio_to_autograd']:.3f} autograd"
@@ -220,6 +222,11 @@ def run(args) -> dict:
                                              "dtype": "float32"}, "sizes": rows}
 
 
+def spread(quartiles) -> str:
+    """'median (25%-75%)'."""
+    return f"{quartiles[1]:.3f} ({quartiles[0]:.2f}-{quartiles[2]:.2f})"
+
+
 def markdown(res: dict) -> str:
     m, s = res["machine"], res["settings"]
     where = m.get("gpu", m["cpu"])
@@ -231,7 +238,7 @@ def markdown(res: dict) -> str:
         f"float32; {s['rounds']} interleaved rounds of one step per contender after a warm-up; "
         "time = median per step; ratio = median over rounds of the paired ratio (same round) to "
         "autograd eager, and to the like-for-like contender (autograd compiled for compiled "
-        "paths). Peak = the most bytes torch held at once during one step (CPU: profiler "
+        "paths), with the quartiles of the per-round ratios in brackets. Peak = the most bytes torch held at once during one step (CPU: profiler "
         "allocation records). FLOP/s = the model's FLOPs "
         "per step (FlopCounterMode over the autograd step) / time; % of the float32 matmul peak "
         f"measured here ({s['peak_n']}² mm).", "",
@@ -244,15 +251,19 @@ def markdown(res: dict) -> str:
             f"{r['matmul_peak_flops_per_s'] / 1e9:.0f} GFLOP/s. Loss of the warm-up step (the "
             "same model and batch for all): "
             + ", ".join(f"{c} {loss:.6f}" for c, loss in r["losses"].items()) + ".", "",
-            "| contender | ms / step | / autograd | / like for like | peak MiB | GFLOP/s | "
-            "% of peak | tokens/s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| contender | ms / step | / autograd | / like for like | peak MiB | peak / autograd | "
+            "GFLOP/s | % of peak | tokens/s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
+        rounds = {c: row["seconds"] for c, row in r["contenders"].items()}
         for c, row in r["contenders"].items():
+            to_autograd = ratio_quartiles(rounds[c], rounds[BASELINE])
+            to_like = ratio_quartiles(rounds[c], rounds[row["like_for_like"]])
             lines.append(
-                f"| {c} | {1000 * row['median_s']:,.1f} | {row['ratio_to_autograd']:.3f} | "
-                f"{row['ratio_like_for_like']:.3f} ({row['like_for_like']}) | "
+                f"| {c} | {1000 * row['median_s']:,.1f} | {spread(to_autograd)} | "
+                f"{spread(to_like)} {row['like_for_like']} | "
                 f"{row['peak_bytes'] / MiB:,.1f} | "
+                f"{row['peak_bytes'] / r['contenders'][BASELINE]['peak_bytes']:.3f} | "
                 f"{row['flops_per_s'] / 1e9:,.1f} | "
                 f"{row['flops_per_s'] / r['matmul_peak_flops_per_s']:.1%} | "
                 f"{row['tokens_per_s']:,.0f} |")  # fmt: skip
