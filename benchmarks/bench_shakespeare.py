@@ -184,14 +184,15 @@ def run_nanogpt(checkout: Path, data: Path, max_iters: int, eval_interval: int,
                    "--always_save_checkpoint=True", "--out_dir=out"]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         wall = time.perf_counter()
-        child = subprocess.Popen(command, cwd=work, env=env, text=True, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT)  # fmt: skip
-        log = child.stdout.read()
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)
+        with subprocess.Popen(command, cwd=work, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) as child:  # fmt: skip
+            log = child.stdout.read()
+            _, status, usage = os.wait4(child.pid, 0)  # wait4: the child's own CPU time
+            child.returncode = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - wall
         if child.returncode != 0:
-            raise RuntimeError(f"nanoGPT's train.py failed (exit {child.returncode}):\n{log[-3000:]}")
+            raise RuntimeError(f"nanoGPT's train.py failed (exit {child.returncode}):\n"
+                               f"{log[-3000:]}")
         checkpoint = torch.load(work / "out" / "ckpt.pt", map_location="cpu")
     if checkpoint["iter_num"] != max_iters:
         raise RuntimeError(f"nanoGPT's last checkpoint is from step {checkpoint['iter_num']}, "
@@ -201,8 +202,8 @@ def run_nanogpt(checkout: Path, data: Path, max_iters: int, eval_interval: int,
     print(f"nanoGPT  step {max_iters:5d} ({wall:.1f} s wall, {cpu:.1f} s CPU)", flush=True)
     return {"params": nanogpt_params(checkpoint["model"]), "wall_s": round(wall, 2),
             "cpu_s": round(cpu, 2), "seed": 1337,
-            "own_estimates": [{"step": int(step), "train_loss": float(train), "val_loss": float(val)}
-                              for step, train, val in estimates]}  # fmt: skip
+            "own_estimates": [{"step": int(step), "train_loss": float(train),
+                               "val_loss": float(val)} for step, train, val in estimates]}
 
 
 def nanogpt_checkout(path: Path | None) -> Path | None:
@@ -211,7 +212,8 @@ def nanogpt_checkout(path: Path | None) -> Path | None:
     if path is None:
         print("skipped nanoGPT's train.py: no checkout given (--nanogpt DIR)")
         return None
-    missing = [f for f in ("train.py", "data/shakespeare_char/prepare.py") if not (path / f).is_file()]
+    needed = ("train.py", "data/shakespeare_char/prepare.py")
+    missing = [f for f in needed if not (path / f).is_file()]
     if missing:
         print(f"skipped nanoGPT's train.py: {path} lacks {', '.join(missing)}")
         return None
@@ -336,7 +338,9 @@ def markdown(res: dict) -> str:
         "",
         "Mean over the seeds of the whole-split validation loss: "
         + ", ".join(f"{LABELS[b]} {means[b]:.4f}" for b in means)
-        + (f", {LABELS['nanogpt']} (one run) {nanogpt['val_split']:.4f}" if nanogpt else "")
+        + (f", {LABELS['nanogpt']} (one run) {nanogpt['val_split']:.4f} (its own last "
+           f"{NANOGPT_EVAL_BATCHES}-batch estimate: {nanogpt['own_estimates'][-1]['val_loss']})"
+           if nanogpt else "")
         + f". Published figure: {published} (nanoGPT README, one run, {NANOGPT_EVAL_BATCHES} "
         f"random batches). Both gptlab means at or below it: {'yes' if verdict else 'no'}. "
         f"Share of all {NANOGPT_EVAL_BATCHES}-batch estimates (every seed, every draw) at or "

@@ -238,7 +238,8 @@ def markdown(res: dict) -> str:
         f"float32; {s['rounds']} interleaved rounds of one step per contender after a warm-up; "
         "time = median per step; ratio = median over rounds of the paired ratio (same round) to "
         "autograd eager, and to the like-for-like contender (autograd compiled for compiled "
-        "paths), with the quartiles of the per-round ratios in brackets. Peak = the most bytes torch held at once during one step (CPU: profiler "
+        "paths), with the quartiles of the per-round ratios in brackets. Peak = the most bytes "
+        "torch held at once during one step (CPU: profiler "
         "allocation records). FLOP/s = the model's FLOPs "
         "per step (FlopCounterMode over the autograd step) / time; % of the float32 matmul peak "
         f"measured here ({s['peak_n']}² mm).", "",
