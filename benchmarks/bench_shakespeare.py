@@ -1,6 +1,7 @@
 """Character-level Shakespeare with nanoGPT's CPU recipe: hand-written backward, autograd, nanoGPT.
 
     python benchmarks/bench_shakespeare.py [--data PATH] [--seeds 1337 1 2 3] [--jobs 2]
+                                           [--nanogpt DIR]
 
 The quality bar of the training chapter. nanoGPT's README trains a character-level model on
 tinyshakespeare on a laptop CPU with 4 layers, 4 heads, width 128, context 64, batch 12, 2000
@@ -10,8 +11,16 @@ with the README's command-line overrides; nanoGPT's model has no biases and the 
 and reports a validation loss of 1.88 after about three minutes, estimated from 20 random
 batches. For every seed this script trains that recipe twice from the same initial weights and
 batches: once with the hand-written backward (``backend="torch"``) and once with the
-independent torch reference model differentiated by autograd (``backend="autograd"``); then
-once more with nanoGPT's own code for it (``nanogpt_reference.py``), the yardstick.
+independent torch reference model differentiated by autograd (``backend="autograd"``).
+
+The yardstick is nanoGPT itself, from a checkout the user points to with ``--nanogpt DIR``
+(skipped with a message without one): the checkout is copied to a scratch folder, the text
+given with ``--data`` is written there as ``data/shakespeare_char/input.txt`` (so its
+``prepare.py`` downloads nothing), nanoGPT's own ``prepare.py`` and then ``train.py`` run there
+with the README's CPU command (plus ``--dtype=float32``, what the CPU computes in anyway, and a
+checkpoint at every evaluation to score the final weights), as one more job beside the seeds,
+``--threads`` threads. Its ``train.py`` seeds torch with 1337 whatever ``--seeds`` says, so it
+runs once; its CPU time is compared with the mean per seed of gptlab's runs.
 
 The two runs of a seed go side by side: each trains in chunks of ``--chunk`` updates, resuming
 from its checkpoint (resume is exact in ``gptlab.train``: optimizer moments, batch RNG and
@@ -36,7 +45,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
@@ -46,10 +60,11 @@ import numpy as np
 import torch
 
 from machine import machine_info, report  # benchmarks/machine.py (the script's own folder)
-from nanogpt_reference import to_gptlab_params, train_nanogpt
+from gptlab.config import GPTConfig
 from gptlab.data import load_text, split_train_val
 from gptlab.metrics import evaluate_loss, split_loss
 from gptlab.model import count_params
+from gptlab.tokenizer import CharTokenizer
 from gptlab.train import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +73,12 @@ PUBLISHED_VAL_LOSS = 1.88  # nanoGPT README, CPU recipe for shakespeare_char
 NANOGPT_EVAL_BATCHES = 20  # the README's --eval_iters=20
 BACKENDS = ("torch", "autograd")
 LABELS = {"torch": "gptlab, hand-written backward", "autograd": "gptlab, torch autograd",
-          "nanogpt": "nanoGPT's code, re-typed"}
+          "nanogpt": "nanoGPT's train.py"}
+NANOGPT_CPU_COMMAND = (  # nanoGPT's README, "I only have a macbook" (max_iters set per run)
+    "train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
+    "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4",
+    "--n_head=4", "--n_embd=128", "--dropout=0.0", "--dtype=float32")  # fmt: skip
+NANOGPT_LINEAR_WEIGHTS = ("c_attn.weight", "c_proj.weight", "c_fc.weight")  # nn.Linear: (out, in)
 
 
 def recipe(data: str, backend: str, out_dir: Path, eval_iters: int, chunk: int,
@@ -115,15 +135,8 @@ def run_seed(data: Path, seed: int, eval_iters: int, chunk: int, max_iters: int,
             print(f"seed {seed} {backend:8s} step {stop:5d}: train {row['train_loss']:.4f} val "
                   f"{row['val_loss']:.4f} ({wall:.1f} s wall, {cpu:.1f} s CPU)", flush=True)
     first = results[BACKENDS[0]]
-    ids = np.asarray(first.tokenizer.encode(load_text(data)), dtype=np.int64)
-    _, val_ids = split_train_val(ids, 64, 0.1)
-    wall, cpu = time.perf_counter(), time.process_time()
-    nanogpt = train_nanogpt(ids, first.tokenizer.vocab_size, seed, max_iters)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    print(f"seed {seed} nanoGPT  step {max_iters:5d} ({wall:.1f} s wall, {cpu:.1f} s CPU)",
-          flush=True)
-    runs = {"nanogpt": {**final_scores(to_gptlab_params(nanogpt), first.model_config, val_ids,
-                                       draws), "wall_s": round(wall, 2), "cpu_s": round(cpu, 2)}}
+    val_ids = validation_ids(first.tokenizer, data)
+    runs = {}
     for backend in BACKENDS:
         runs[backend] = {
             **final_scores(results[backend].params, first.model_config, val_ids, draws),
@@ -137,9 +150,80 @@ def run_seed(data: Path, seed: int, eval_iters: int, chunk: int, max_iters: int,
             "parameters": count_params(first.model_config)}
 
 
+def validation_ids(tokenizer, data: Path) -> np.ndarray:
+    """The validation split (the last 10%) of the text as gptlab's training run cuts it."""
+    ids = np.asarray(tokenizer.encode(load_text(data)), dtype=np.int64)
+    return split_train_val(ids, 64, 0.1)[1]
+
+
+def nanogpt_params(state_dict: dict) -> dict:
+    """nanoGPT's model weights under gptlab's names and (in, out) layout."""
+    params = {}
+    for name, value in state_dict.items():
+        name = name.removeprefix("transformer.")
+        if name == "lm_head.weight":
+            continue  # tied to wte.weight
+        params[name] = value.T.contiguous() if name.endswith(NANOGPT_LINEAR_WEIGHTS) else value
+    return params
+
+
+def run_nanogpt(checkout: Path, data: Path, max_iters: int, eval_interval: int,
+                threads: int) -> dict:
+    """nanoGPT's own prepare.py and train.py (the README's CPU command) in a scratch copy of
+    ``checkout``: its final weights (gptlab's layout), its own last validation estimate, and the
+    wall and CPU time of train.py (the child process's user + system time)."""
+    with tempfile.TemporaryDirectory(prefix="nanogpt-") as scratch:
+        work = Path(scratch) / "nanoGPT"
+        shutil.copytree(checkout, work, ignore=shutil.ignore_patterns(".git", "*.bin", "*.pt"))
+        prepare_dir = work / "data" / "shakespeare_char"
+        shutil.copyfile(data, prepare_dir / "input.txt")  # present: prepare.py downloads nothing
+        subprocess.run([sys.executable, "prepare.py"], cwd=prepare_dir, check=True,
+                       capture_output=True)  # fmt: skip
+        command = [sys.executable, *NANOGPT_CPU_COMMAND, f"--max_iters={max_iters}",
+                   f"--lr_decay_iters={max_iters}", f"--eval_interval={eval_interval}",
+                   "--always_save_checkpoint=True", "--out_dir=out"]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        wall = time.perf_counter()
+        with subprocess.Popen(command, cwd=work, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) as child:  # fmt: skip
+            log = child.stdout.read()
+            _, status, usage = os.wait4(child.pid, 0)  # wait4: the child's own CPU time
+            child.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - wall
+        if child.returncode != 0:
+            raise RuntimeError(f"nanoGPT's train.py failed (exit {child.returncode}):\n"
+                               f"{log[-3000:]}")
+        checkpoint = torch.load(work / "out" / "ckpt.pt", map_location="cpu")
+    if checkpoint["iter_num"] != max_iters:
+        raise RuntimeError(f"nanoGPT's last checkpoint is from step {checkpoint['iter_num']}, "
+                           f"not {max_iters}: pass a --max-iters divisible by --chunk")
+    estimates = re.findall(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)", log)
+    cpu = usage.ru_utime + usage.ru_stime
+    print(f"nanoGPT  step {max_iters:5d} ({wall:.1f} s wall, {cpu:.1f} s CPU)", flush=True)
+    return {"params": nanogpt_params(checkpoint["model"]), "wall_s": round(wall, 2),
+            "cpu_s": round(cpu, 2), "seed": 1337,
+            "own_estimates": [{"step": int(step), "train_loss": float(train),
+                               "val_loss": float(val)} for step, train, val in estimates]}
+
+
+def nanogpt_checkout(path: Path | None) -> Path | None:
+    """``path`` when it holds nanoGPT's train.py and shakespeare_char/prepare.py; else None,
+    with the reason printed."""
+    if path is None:
+        print("skipped nanoGPT's train.py: no checkout given (--nanogpt DIR)")
+        return None
+    needed = ("train.py", "data/shakespeare_char/prepare.py")
+    missing = [f for f in needed if not (path / f).is_file()]
+    if missing:
+        print(f"skipped nanoGPT's train.py: {path} lacks {', '.join(missing)}")
+        return None
+    return path
+
+
 def run(args: argparse.Namespace) -> dict:
     if not args.data.is_file():
         raise SystemExit(f"error: {args.data} not found: pass the tinyshakespeare text with --data")
+    checkout = nanogpt_checkout(args.nanogpt)
     machine = machine_info(args.note, torch=torch.__version__, torch_threads=args.threads,
                            jobs=args.jobs)
     spawn = multiprocessing.get_context("spawn")  # a fresh interpreter per job, no forked torch
@@ -147,16 +231,26 @@ def run(args: argparse.Namespace) -> dict:
         futures = [pool.submit(run_seed, args.data, seed, args.eval_iters, args.chunk,
                                args.max_iters, args.out_dir, args.draws, args.threads)
                    for seed in args.seeds]  # fmt: skip
+        if checkout is not None:
+            nanogpt_future = pool.submit(run_nanogpt, checkout.resolve(), args.data.resolve(),
+                                         args.max_iters, args.chunk, args.threads)  # fmt: skip
         seeds = [future.result() for future in futures]
+        nanogpt = None if checkout is None else nanogpt_future.result()
     machine["load_average_1min_at_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     config = asdict(recipe(args.data.name, "torch", args.out_dir, args.eval_iters, args.chunk,
                            args.seeds[0]))  # fmt: skip
     config.update(max_iters=args.max_iters, backend=list(BACKENDS), seed=list(args.seeds),
                   out_dir=str(args.out_dir))  # fmt: skip
-    contenders = ("nanogpt", *BACKENDS)
-    mean_split = {b: statistics.mean(s["runs"][b]["val_split"] for s in seeds) for b in contenders}
-    wall = {b: sum(s["runs"][b]["wall_s"] for s in seeds) for b in contenders}
-    cpu = {b: sum(s["runs"][b]["cpu_s"] for s in seeds) for b in contenders}
+    mean_split = {b: statistics.mean(s["runs"][b]["val_split"] for s in seeds) for b in BACKENDS}
+    wall = {b: sum(s["runs"][b]["wall_s"] for s in seeds) for b in BACKENDS}
+    cpu = {b: sum(s["runs"][b]["cpu_s"] for s in seeds) for b in BACKENDS}
+    ratios = {}
+    if nanogpt is not None:
+        val_ids = validation_ids(CharTokenizer.from_text(load_text(args.data)), args.data)
+        model_config = GPTConfig(**seeds[0]["model_config"])
+        nanogpt |= final_scores(nanogpt.pop("params"), model_config, val_ids, args.draws)
+        for b in BACKENDS:  # gptlab's mean CPU time per seed / nanoGPT's one run
+            ratios[f"ratio_cpu_{b}_over_nanogpt"] = cpu[b] / len(seeds) / nanogpt["cpu_s"]
     return {
         "benchmark": "shakespeare_char, nanoGPT CPU recipe",
         "machine": machine,
@@ -168,12 +262,19 @@ def run(args: argparse.Namespace) -> dict:
         "eval_tokens_per_split": args.eval_iters * 12 * 64,
         "draws": args.draws,
         "seeds": seeds,
+        "nanogpt": nanogpt,
         "mean_val_split": mean_split,
         "ratio_wall_torch_over_autograd": wall["torch"] / wall["autograd"],
         "ratio_cpu_torch_over_autograd": cpu["torch"] / cpu["autograd"],
-        "ratio_cpu_torch_over_nanogpt": cpu["torch"] / cpu["nanogpt"],
-        "ratio_cpu_autograd_over_nanogpt": cpu["autograd"] / cpu["nanogpt"],
+        **ratios,
     }
+
+
+def score_row(seed: int, label: str, r: dict) -> str:
+    """One row of the scores table."""
+    return (f"| {seed} | {label} | {r['val_split']:.4f} | {r['draws_p5']:.3f} - "
+            f"{r['draws_p95']:.3f} | {r['draws_share_at_or_below_published']:.0%} | "
+            f"{r['wall_s']:.1f} | {r['cpu_s']:.1f} |")
 
 
 def markdown(res: dict) -> str:
@@ -181,7 +282,7 @@ def markdown(res: dict) -> str:
     published = res["published_val_loss"]
     n_val = seeds[0]["runs"]["torch"]["val_tokens_scored"]
     lines = [
-        "# Character-level Shakespeare: hand-written backward, autograd and nanoGPT's code",
+        "# Character-level Shakespeare: hand-written backward, autograd and nanoGPT's train.py",
         "",
         f"Generated by `python benchmarks/bench_shakespeare.py` on {m['date']}. Data: "
         f"`{res['data']['file']}`, {res['data']['characters']:,} characters, vocabulary "
@@ -195,11 +296,12 @@ def markdown(res: dict) -> str:
         f"with {cfg['warmup_iters']} warmup steps and cosine decay to {cfg['min_lr']:g}, gradient "
         f"clipping at {cfg['grad_clip']}, no dropout, float32; {res['model']['parameters']:,} "
         f"parameters. Seeds {', '.join(str(s) for s in cfg['seed'])}; for each seed both gptlab "
-        "runs start from the same weights and see the same batches. The third contender is "
-        "nanoGPT's own code for the recipe, re-typed in `benchmarks/nanogpt_reference.py` (its "
-        "modules, init, `torch.manual_seed` and `torch.randint` batches, optimizer groups and "
-        "schedule), trained with the same seed number (other random draws) and scored by the "
-        "same function.",
+        "runs start from the same weights and see the same batches. The yardstick is nanoGPT "
+        "itself: its own `prepare.py` and `train.py` with the README's CPU command (float32, "
+        "its own seed 1337, its own initialisation and batches), run from a checkout given with "
+        "`--nanogpt`, "
+        + ("beside the seeds, and scored by the same function."
+           if res.get("nanogpt") else "**not run** (no checkout given)."),
         "",
         f"Scores of the final weights on the validation split: the **whole split** "
         f"({n_val:,} predictions, no sampling noise), and nanoGPT's estimator, the mean over "
@@ -223,18 +325,22 @@ def markdown(res: dict) -> str:
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for seed in seeds:
-        for backend, r in seed["runs"].items():
-            lines.append(f"| {seed['seed']} | {LABELS[backend]} | {r['val_split']:.4f} | "
-                         f"{r['draws_p5']:.3f} - {r['draws_p95']:.3f} | "
-                         f"{r['draws_share_at_or_below_published']:.0%} | {r['wall_s']:.1f} | "
-                         f"{r['cpu_s']:.1f} |")
+        lines += [score_row(seed["seed"], LABELS[b], r) for b, r in seed["runs"].items()]
+    nanogpt = res.get("nanogpt")
+    if nanogpt:
+        lines.append(score_row(nanogpt["seed"], LABELS["nanogpt"], nanogpt))
     means = res["mean_val_split"]
     verdict = all(means[b] <= published for b in BACKENDS)
     pooled = {b: [d for s in seeds for d in s["runs"][b]["draws"]] for b in means}
+    if nanogpt:
+        pooled["nanogpt"] = nanogpt["draws"]
     lines += [
         "",
         "Mean over the seeds of the whole-split validation loss: "
         + ", ".join(f"{LABELS[b]} {means[b]:.4f}" for b in means)
+        + (f", {LABELS['nanogpt']} (one run) {nanogpt['val_split']:.4f} (its own last "
+           f"{NANOGPT_EVAL_BATCHES}-batch estimate: {nanogpt['own_estimates'][-1]['val_loss']})"
+           if nanogpt else "")
         + f". Published figure: {published} (nanoGPT README, one run, {NANOGPT_EVAL_BATCHES} "
         f"random batches). Both gptlab means at or below it: {'yes' if verdict else 'no'}. "
         f"Share of all {NANOGPT_EVAL_BATCHES}-batch estimates (every seed, every draw) at or "
@@ -246,11 +352,15 @@ def markdown(res: dict) -> str:
         f"{res['ratio_wall_torch_over_autograd']:.2f}x, CPU "
         f"{res['ratio_cpu_torch_over_autograd']:.2f}x "
         "(above 1: the hand-written backward is slower; its eager elementwise temporaries are not "
-        "fused). CPU time against nanoGPT's code: hand-written backward "
-        f"{res['ratio_cpu_torch_over_nanogpt']:.2f}x, autograd "
-        f"{res['ratio_cpu_autograd_over_nanogpt']:.2f}x (nanoGPT's run follows the other two in "
-        "the same process, not interleaved with them, and has no evaluations along the way; "
-        "its attention is torch's fused scaled_dot_product_attention).",
+        "fused)." + (
+            " CPU time per run against nanoGPT's train.py: hand-written backward "
+            f"{res['ratio_cpu_torch_over_nanogpt']:.2f}x, autograd "
+            f"{res['ratio_cpu_autograd_over_nanogpt']:.2f}x (gptlab's mean per seed over "
+            "nanoGPT's one run, which trains as a job beside the seeds, not interleaved with "
+            "them, evaluates 20 batches per split every chunk and prints every step; its time "
+            "includes the interpreter's start and imports, and the one update train.py makes "
+            "after its last evaluation, whose weights are scored; its attention is torch's fused "
+            "scaled_dot_product_attention)." if nanogpt else ""),
         "",
         f"Validation loss along the way (the {cfg['eval_iters']} fixed batches), seed "
         f"{seeds[0]['seed']}:",
@@ -278,6 +388,9 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=100,
                         help="independent draws of nanoGPT's 20-batch estimate per model")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "bench_shakespeare")
+    parser.add_argument("--nanogpt", type=Path, default=None,
+                        help="a nanoGPT checkout (github.com/karpathy/nanoGPT) to run as the "
+                             "yardstick; skipped without one")
     parser.add_argument("--note", default="")
     parser.add_argument("--no-write", action="store_true", help="print, do not write results")
     parser.add_argument("--markdown-only", action="store_true",
