@@ -77,12 +77,10 @@ def peak_bytes(step, device: str) -> int:
     return int(max(np.cumsum([0] + [nbytes for _, nbytes in changes])))
 
 
-def median_times(steps: dict, repeats: int, device: str) -> dict:
-    """Median wall seconds per step of each contender, the contenders interleaved per round."""
+def paired_times(steps: dict, rounds: int, device: str) -> dict:
+    """name -> per-round wall seconds, the contenders interleaved (one step each per round)."""
     seconds = {name: [] for name in steps}
-    for name, step in steps.items():  # warm-up
-        step()
-    for _ in range(repeats):
+    for _ in range(rounds):
         for name, step in steps.items():
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -91,6 +89,14 @@ def median_times(steps: dict, repeats: int, device: str) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def median_times(steps: dict, repeats: int, device: str) -> dict:
+    """Median wall seconds per step of each contender, the contenders interleaved per round."""
+    for step in steps.values():  # warm-up
+        step()
+    seconds = paired_times(steps, repeats, device)
     return {name: statistics.median(s) for name, s in seconds.items()}
 
 

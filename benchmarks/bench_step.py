@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench_memory import median_times, peak_bytes  # benchmarks/bench_memory.py
+from bench_memory import median_times, paired_times, peak_bytes  # benchmarks/bench_memory.py
 from machine import machine_info, report  # benchmarks/machine.py (the script's own folder)
 from gptlab.config import GPTConfig
 from gptlab.model import gpt_backward, gpt_forward, init_params, loss_and_grads
@@ -151,21 +151,6 @@ def model_flops(step) -> int:
     with FlopCounterMode(display=False) as counter:
         step()
     return counter.get_total_flops()
-
-
-def paired_times(steps: dict, rounds: int, device: str) -> dict:
-    """name -> per-round wall seconds, the contenders interleaved (one step each per round)."""
-    seconds = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            seconds[name].append(time.perf_counter() - start)
-    return seconds
 
 
 def ratio_quartiles(a: list, b: list) -> tuple[float, float, float]:
