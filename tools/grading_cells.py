@@ -1,0 +1,157 @@
+"""Write the nbgrader metadata of every chapter's exercise cells from the book's conventions.
+
+    .venv/bin/python tools/grading_cells.py           # rewrite the metadata that is stale
+    .venv/bin/python tools/grading_cells.py --check   # exit 1, naming the problems, if any
+
+The chapters are the instructor source of the course (docs/COURSE.md). Authors write cells by
+the conventions below; this tool derives the nbgrader metadata from them, so that it is never
+edited by hand and never drifts:
+
+- answer cell: a code cell whose first line is ``# Exercise K: ...`` and which holds the model
+  answer between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` -> an nbgrader solution cell
+  ``exK_answer`` (the student edition keeps the rest and gets ``raise NotImplementedError()`` in
+  place of the answer); tagged ``hide-input``, so the HTML book shows it behind a toggle;
+- grading cell: a code cell whose first line is ``# Grading cell for exercise K (P points)``,
+  with hidden tests between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS`` -> a locked
+  nbgrader grade cell ``exK`` worth P points (it earns them when it raises nothing);
+- code solution: a code cell whose first line is ``# @title Solution to exercise K`` -> a
+  solution cell ``exK_solution`` (replaced whole in the student edition);
+- prose solution: a markdown cell that starts with ``<details>`` -> a solution cell
+  ``exK_written`` holding the model answer to a written question (the student edition shows
+  "YOUR ANSWER HERE").
+
+K is the exercise's number; a second cell of the same kind for one exercise gets ``_2``. Any
+other cell loses stale nbgrader metadata. ``--check`` also fails when a chapter has no grading
+cell, a grading cell has no hidden tests or no answer cell before it, or solution markers sit
+outside an answer cell. tests/test_project.py runs the check.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ANSWER = re.compile(r"# Exercise (\d+)\s*:")
+GRADING = re.compile(r"# Grading cell for exercise (\d+) \((\d+) points?\)")
+CODE_SOLUTION = re.compile(r"# @title Solution to exercise (\d+)\b")
+STATEMENT = re.compile(r"^\*\*(\d+)\.", re.M)  # an exercise statement: "**3. Title.**"
+MARKERS = ("### BEGIN SOLUTION", "### END SOLUTION")
+HIDDEN = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")
+
+
+def chapters() -> list[Path]:
+    """The numbered chapters and the capstone project."""
+    return sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb")) + sorted(
+        (ROOT / "book").glob("capstone.ipynb"))
+
+
+def _nbgrader(grade_id: str, *, solution: bool, grade: bool, points: int = 0) -> dict:
+    meta = {"grade": grade, "grade_id": grade_id, "locked": grade, "schema_version": 3,
+            "solution": solution, "task": False}
+    if grade:
+        meta["points"] = points
+    return meta
+
+
+def _classify(nb) -> list[tuple[int, str, int, int]]:
+    """(cell index, kind, exercise number, points) for every exercise cell of the chapter."""
+    found, exercise = [], 0
+    for index, cell in enumerate(nb.cells):
+        first = cell.source.split("\n", 1)[0]
+        if cell.cell_type == "markdown":
+            if cell.source.lstrip().startswith("<details>"):
+                found.append((index, "written", exercise, 0))
+            elif statements := STATEMENT.findall(cell.source):
+                exercise = int(statements[-1])
+        elif match := GRADING.match(first):
+            found.append((index, "grade", int(match.group(1)), int(match.group(2))))
+        elif match := ANSWER.match(first):
+            found.append((index, "answer", int(match.group(1)), 0))
+        elif match := CODE_SOLUTION.match(first):
+            found.append((index, "solution", int(match.group(1)), 0))
+    return found
+
+
+def expected_metadata(nb) -> dict[int, dict]:
+    """cell index -> the nbgrader metadata that cell must carry (cells not listed carry none)."""
+    expected, seen = {}, {}
+    for index, kind, exercise, points in _classify(nb):
+        base = f"ex{exercise}" if kind == "grade" else f"ex{exercise}_{kind}"
+        seen[base] = seen.get(base, 0) + 1
+        grade_id = base if seen[base] == 1 else f"{base}_{seen[base]}"
+        expected[index] = _nbgrader(grade_id, solution=kind != "grade", grade=kind == "grade",
+                                    points=points)
+    return expected
+
+
+def problems(nb) -> list[str]:
+    """What is wrong with a chapter's exercise cells, beyond stale metadata."""
+    found = _classify(nb)
+    kinds = {(kind, exercise) for _, kind, exercise, _ in found}
+    result = []
+    if not any(kind == "grade" for _, kind, _, _ in found):
+        result.append("no grading cell (every chapter has graded work)")
+    for index, kind, exercise, points in found:
+        source = nb.cells[index].source
+        if kind == "grade":
+            if not all(marker in source for marker in HIDDEN):
+                result.append(f"cell {index}: grading cell for exercise {exercise} has no hidden tests")
+            if ("answer", exercise) not in kinds:
+                result.append(f"cell {index}: grading cell for exercise {exercise} has no answer cell")
+            if points <= 0:
+                result.append(f"cell {index}: grading cell for exercise {exercise} gives no points")
+        if kind == "answer" and not all(marker in source for marker in MARKERS):
+            result.append(f"cell {index}: answer cell for exercise {exercise} has no solution markers")
+    answers = {index for index, kind, _, _ in found if kind == "answer"}
+    for index, cell in enumerate(nb.cells):
+        if index not in answers and MARKERS[0] in cell.source:
+            result.append(f"cell {index}: solution markers outside an answer cell")
+    return result
+
+
+def stale(nb) -> bool:
+    expected = expected_metadata(nb)
+    for index, cell in enumerate(nb.cells):
+        if cell.metadata.get("nbgrader") != expected.get(index):
+            return True
+        if index in expected and expected[index]["grade_id"].endswith("answer") and \
+                "hide-input" not in cell.metadata.get("tags", []):
+            return True
+    return False
+
+
+def write(nb) -> None:
+    expected = expected_metadata(nb)
+    for index, cell in enumerate(nb.cells):
+        if index in expected:
+            cell.metadata["nbgrader"] = expected[index]
+            if expected[index]["grade_id"].endswith("answer"):
+                cell.metadata["tags"] = sorted(set(cell.metadata.get("tags", [])) | {"hide-input"})
+        else:
+            cell.metadata.pop("nbgrader", None)
+
+
+def main(argv: list[str]) -> int:
+    failed = False
+    for path in chapters():
+        nb = nbformat.read(path, as_version=4)
+        name = path.relative_to(ROOT)
+        if "--check" in argv:
+            for problem in problems(nb) + (["stale nbgrader metadata (run tools/grading_cells.py)"]
+                                           if stale(nb) else []):
+                print(f"{name}: {problem}")
+                failed = True
+        elif stale(nb):
+            write(nb)
+            nbformat.write(nb, path)
+            print(f"{name}: nbgrader metadata written")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
