@@ -217,35 +217,43 @@ def _dtype_name(a) -> str:
     return str(a.dtype).removeprefix("torch.")
 
 
-def _float_inputs(args) -> list:
-    """The float arrays among ``args``, in order (the inputs that get a gradient)."""
-    return [a for a in args if is_array_api_obj(a) and "float" in _dtype_name(a)]
+def _is_float(a) -> bool:
+    return is_array_api_obj(a) and "float" in _dtype_name(a)
+
+
+def _input_gradient_pairs(args, grads):
+    """(input, its gradient) for every float array and every entry of a dict argument, in the
+    order of check_layer's entries (a missing gradient is None)."""
+    checked = [a for a in args if isinstance(a, dict) or _is_float(a)]
+    for x, g in zip(checked, grads):
+        if isinstance(x, dict):
+            for key in x:
+                yield x[key], g.get(key) if isinstance(g, dict) else None
+        else:
+            yield x, g
 
 
 # ---------------------------------------------------------------------------------------------
 # The two checks.
 
 
-def _backward_case(forward, backward, args, hyperparams, tol) -> str:
+def _backward_case(forward, backward, args, hyperparams, tol, max_elements) -> str:
     """Check one case; return the detail of a pass, raise GradingError (or the student's own
     exception) on a failure."""
-    result = check_layer(forward, backward, *args, **hyperparams)
+    result = check_layer(forward, backward, *args, max_elements=max_elements, **hyperparams)
     if not result.passed(tol):
         failed = {e.name: _fmt(e.rel_error) for e in result.entries if not e.passed(tol)}
         raise GradingError(f"wrong gradient for {', '.join(failed)} (rel. error "
                            f"{', '.join(failed.values())} against finite differences)")
-    floats = _float_inputs(args)
-    if not floats:
-        return f"rel. error < {_fmt(tol)}"
-    dtype = _dtype_name(floats[0])
     out, cache = forward(*args, **hyperparams)
     dout = asarray_like(np.random.default_rng(0).standard_normal(tuple(out.shape)), out)
     grads = backward(dout, cache)
-    grads = grads if isinstance(grads, (tuple, list)) else (grads,)
-    for entry, x, g in zip(result.entries, floats, grads):
+    pairs = list(_input_gradient_pairs(args, grads if isinstance(grads, (tuple, list)) else (grads,)))
+    dtype = _dtype_name(pairs[0][0]) if pairs else "float64"
+    for entry, (x, g) in zip(result.entries, pairs):
         if not is_array_api_obj(g) or _dtype_name(g) != _dtype_name(x):
             got = _dtype_name(g) if is_array_api_obj(g) else type(g).__name__
-            raise GradingError(f"the gradient for {entry.name} is {got}, its input {dtype}")
+            raise GradingError(f"the gradient for {entry.name} is {got}, its input {_dtype_name(x)}")
         if dtype != "float64":
             a = np.asarray(to_numpy(g), dtype=np.float64)
             err = np.linalg.norm(a - entry.analytic) / max(
@@ -258,7 +266,7 @@ def _backward_case(forward, backward, args, hyperparams, tol) -> str:
 
 
 def check_backward(forward, backward, cases, *, allow=(), forbid=(), tol: float = TOLERANCE,
-                   **hyperparams) -> GradeReport:
+                   max_elements: int | None = None, **hyperparams) -> GradeReport:
     """Grade ``backward`` (``backward(dout, cache) -> grads``) for ``forward`` on every case.
 
     ``cases``: ``{name: tuple of the forward's positional inputs}`` (NumPy or torch; float
@@ -266,14 +274,17 @@ def check_backward(forward, backward, cases, *, allow=(), forbid=(), tol: float 
     float64, every gradient agrees with finite differences (relative error below ``tol``, as
     ``check_layer``), every gradient has its input's dtype and shape, and a float32 case's
     gradients agree with the float64 ones within ``FLOAT32_TOLERANCE``. The backward runs under
-    :func:`guard` (``allow``, ``forbid`` as there). ``hyperparams`` go to ``forward``.
+    :func:`guard` (``allow``, ``forbid`` as there). ``max_elements``: finite differences on a
+    seeded random subset of each input's elements (a whole model). ``hyperparams`` go to
+    ``forward``.
     """
     guarded = _guarded(backward, allow, forbid)
     results = []
     for name, args in _check_cases(cases).items():
         try:
             results.append(CaseResult(name, True,
-                                      _backward_case(forward, guarded, args, hyperparams, tol)))
+                                      _backward_case(forward, guarded, args, hyperparams, tol,
+                                                                 max_elements)))
         except Exception as error:  # the student's code may raise anything
             results.append(CaseResult(name, False, _failure(error)))
     title = f"{getattr(backward, '__name__', 'backward')}: checked against finite differences"

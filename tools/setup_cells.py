@@ -51,7 +51,9 @@ def repository_url() -> str:
 
 
 def chapters() -> list[Path]:
-    return sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
+    """The numbered chapters and the capstone project."""
+    return sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb")) + sorted(
+        (ROOT / "book").glob("capstone.ipynb"))
 
 
 def extras(nb) -> list[str]:
