@@ -1,5 +1,6 @@
 """Checks of the project layout: pins, CI entry point, README, table of contents, notebooks."""
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -136,8 +137,9 @@ def test_toc_follows_the_chapter_plan():
     planned = re.findall(r"`(book/\d\d_\w+)\.ipynb`", (ROOT / "docs" / "CHAPTERS.md").read_text())
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
     entries = [entry for entry in _toc_entries(toc) if entry != toc["root"]]
-    assert entries[:-1] == planned, "the chapters in _toc.yml differ from the table in docs/CHAPTERS.md"
-    assert entries[-1] == "book/references"
+    chapters = [entry for entry in entries if re.match(r"book/\d\d_", entry)]
+    assert chapters == planned, "the chapters in _toc.yml differ from the table in docs/CHAPTERS.md"
+    assert entries[len(chapters):] == ["book/course_guide", "book/capstone", "book/references"]
     assert "```{bibliography}" in (ROOT / "book" / "references.md").read_text()
 
 
@@ -147,17 +149,16 @@ def _code_cells(path):
     return [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]
 
 
-def _setup_cells_tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("setup_cells", ROOT / "tools" / "setup_cells.py")
+def _tool(name: str):
+    """The module tools/<name>.py."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_setup_cells_match_the_repository_in_config():
-    tool = _setup_cells_tool()
+    tool = _tool("setup_cells")
     stale = [path.name for path in tool.chapters() if tool.stale(path, tool.repository_url())]
     assert not stale, f"stale set-up cells (run tools/setup_cells.py): {stale}"
 
@@ -207,6 +208,17 @@ def test_solutions_are_collapsed_everywhere(path):
         elif "hide-cell" in cell.metadata.get("tags", []):
             assert cell.metadata.get("jupyter") == {"source_hidden": True, "outputs_hidden": True}
             assert cell.metadata.get("cellView") == "form" and cell.source.startswith("# @title ")
+
+
+def test_every_chapter_has_graded_work_in_nbgraders_format():
+    """tools/grading_cells.py --check: nbgrader metadata derived from the exercise conventions,
+    a grading cell with hidden tests and points in every chapter, an answer cell for each."""
+    tool = _tool("grading_cells")
+    found = {}
+    for path in tool.chapters():
+        nb = nbformat.read(path, as_version=4)
+        found[path.name] = tool.problems(nb) + (["stale metadata"] if tool.stale(nb) else [])
+    assert not any(found.values()), {name: p for name, p in found.items() if p}
 
 
 def test_extras_are_pinned_in_requirements():

@@ -18,7 +18,8 @@ edited by hand and never drifts:
   solution cell ``exK_solution`` (replaced whole in the student edition);
 - prose solution: a markdown cell that starts with ``<details>`` -> a solution cell
   ``exK_written`` holding the model answer to a written question (the student edition shows
-  "YOUR ANSWER HERE").
+  "YOUR ANSWER HERE"); nbgrader requires it to be a grade cell too, so it is one, graded by
+  hand and worth 0 points.
 
 K is the exercise's number; a second cell of the same kind for one exercise gets ``_2``. Any
 other cell loses stale nbgrader metadata. ``--check`` also fails when a chapter has no grading
@@ -51,8 +52,8 @@ def chapters() -> list[Path]:
 
 
 def _nbgrader(grade_id: str, *, solution: bool, grade: bool, points: int = 0) -> dict:
-    meta = {"grade": grade, "grade_id": grade_id, "locked": grade, "schema_version": 3,
-            "solution": solution, "task": False}
+    meta = {"grade": grade, "grade_id": grade_id, "locked": grade and not solution,
+            "schema_version": 3, "solution": solution, "task": False}
     if grade:
         meta["points"] = points
     return meta
@@ -84,8 +85,10 @@ def expected_metadata(nb) -> dict[int, dict]:
         base = f"ex{exercise}" if kind == "grade" else f"ex{exercise}_{kind}"
         seen[base] = seen.get(base, 0) + 1
         grade_id = base if seen[base] == 1 else f"{base}_{seen[base]}"
-        expected[index] = _nbgrader(grade_id, solution=kind != "grade", grade=kind == "grade",
-                                    points=points)
+        # nbgrader wants a markdown solution cell to be a grade cell too: a written answer,
+        # graded by hand, worth 0 points unless an instructor gives it some
+        expected[index] = _nbgrader(grade_id, solution=kind != "grade",
+                                    grade=kind in ("grade", "written"), points=points)
     return expected
 
 
