@@ -294,9 +294,10 @@ def student_edition(out_dir, source="book", only: Iterable[str] = ()) -> Edition
             notebooks.append(Path(shutil.copyfile(released, out_dir / chapter.name)))
             points = sum(_nbgrader(cell)["points"] for cell in graded)
             table.append(f"| {chapter.stem} | {len(graded)} | {points:g} |\n")
-    if notebooks:
-        _copy_data(Path(source), out_dir)
-        (out_dir / "README.md").write_text(STUDENT_README + "".join(table))
+    if not notebooks:
+        raise ValueError(f"no chapter in {source} has grading cells yet: no student edition")
+    _copy_data(Path(source), out_dir)
+    (out_dir / "README.md").write_text(STUDENT_README + "".join(table))
     return Edition(notebooks, left_out)
 
 
