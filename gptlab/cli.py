@@ -122,7 +122,8 @@ def _add_sample_command(commands) -> None:
 def _add_course_commands(commands) -> None:
     def source_options(parser):
         parser.add_argument("--source", default="book",
-                            help="the folder of the chapters, the instructor source (default: book)")
+                            help="the folder of the chapters, the instructor source "
+                                 "(default: book)")
         parser.add_argument("--chapters", nargs="+", default=(), metavar="CHAPTER",
                             help="only these chapters: numbers (08) or file names without .ipynb "
                                  "(default: all)")
@@ -152,7 +153,7 @@ def _add_course_commands(commands) -> None:
                             f"(default: {CELL_TIMEOUT})")
     grade.add_argument("--autograded", default=None, metavar="DIR",
                        help="also keep the executed submissions, with what every grading cell "
-                            "printed, in DIR/<student>/<chapter>.ipynb")
+                            "printed, in DIR/<student>/<chapter>.ipynb (default: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:

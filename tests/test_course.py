@@ -59,10 +59,10 @@ def _plant(nb, exercise: str, wrong_line: tuple[str, str] | None = None):
         assert wrong_line[0] in cell.source
         cell.source = cell.source.replace(*wrong_line)
     else:
-        begin = cell.source.index(MARKERS["solution"][0])
-        indent = cell.source[:begin].rsplit("\n", 1)[-1]
+        begin = MARKERS["solution"][0]
+        indent = cell.source[:cell.source.index(begin)].rsplit("\n", 1)[-1]
         cell.source = cell.source.replace(
-            MARKERS["solution"][0], f"{MARKERS['solution'][0]}\n{indent}raise ArithmeticError('planted')", 1)
+            begin, f"{begin}\n{indent}raise ArithmeticError('planted mistake')", 1)
     return nb
 
 
@@ -136,6 +136,9 @@ def test_the_student_edition_withholds_solutions_and_hidden_tests(graded):
             assert cell.source == "YOUR ANSWER HERE"
         if meta.get("grade_id", "").endswith("_answer"):
             assert "raise NotImplementedError()" in cell.source
+    readme = (graded["tmp"] / "student" / "README.md").read_text()
+    points = sum(c.metadata.nbgrader["points"] for c in course._graded_cells(source_nb))
+    assert f"| {graded['chapter'].stem} | {len(graded['graded_ids'])} | {points:g} |" in readme
 
 
 def test_every_grading_cell_of_the_student_edition_fails(graded):
@@ -150,8 +153,9 @@ def test_every_grading_cell_of_the_student_edition_fails(graded):
 def test_grades_untouched_zero_instructor_full_a_mistake_loses_its_exercise(graded):
     grades, ids = graded["grades"], graded["graded_ids"]
     assert not grades.failed
-    source_cells = {c.metadata.nbgrader["grade_id"]: c for c in course._graded_cells(graded["source_nb"])}
-    full = {i: (float(source_cells[i].metadata.nbgrader["points"]),) * 2 for i in ids}
+    points = {c.metadata.nbgrader["grade_id"]: float(c.metadata.nbgrader["points"])
+              for c in course._graded_cells(graded["source_nb"])}
+    full = {i: (points[i], points[i]) for i in ids}
     assert _points(grades, "instructor") == full
     assert _points(grades, "untouched") == {i: (0.0, full[i][1]) for i in ids}
     mistakes = [s for s in {r.student for r in grades.rows} if s.startswith("mistake-")]
@@ -184,6 +188,13 @@ def test_the_csv_has_a_row_per_exercise_and_a_total_per_student(graded, tmp_path
     assert f"untouched,all,total,0,{max_total:g}" in lines
 
 
+def test_the_instructor_edition_from_the_command_line(tmp_path, capsys):
+    assert main(["edition", "instructor", str(tmp_path), "--source", str(FIXTURE.parent)]) == 0
+    assert "instructor edition: 1 chapters" in capsys.readouterr().out
+    assert (tmp_path / FIXTURE.name).read_bytes() == FIXTURE.read_bytes()
+    assert (tmp_path / "RUBRIC.md").read_text() == course.rubric([FIXTURE])
+
+
 def test_rubric_lists_points_checkers_hidden_tests_and_model_answers():
     text = course.rubric([FIXTURE])
     assert "In all: 2 graded exercises, 6 points." in text
@@ -206,6 +217,18 @@ def test_bad_input_is_named(tmp_path):
         course.grade(tmp_path, FIXTURE.parent)
     # the command line says the same, without a traceback
     assert main(["grade", str(tmp_path), "--source", str(FIXTURE.parent)]) == 2
+
+
+def test_only_the_chosen_chapters_are_graded(tmp_path):
+    (tmp_path / "book").mkdir()
+    (tmp_path / "submitted" / "ann").mkdir(parents=True)
+    chapters = [tmp_path / "book" / "01_a.ipynb", tmp_path / "book" / "02_b.ipynb"]
+    for path in chapters:
+        path.write_text("{}")
+        (tmp_path / "submitted" / "ann" / path.name).write_text("{}")
+    found = course._submissions(tmp_path / "submitted", chapters,
+                                course.chapters(tmp_path / "book", ["02"]))
+    assert found == [("ann", chapters[1], tmp_path / "submitted" / "ann" / "02_b.ipynb")]
 
 
 def test_nbgrader_rejects_broken_metadata_and_the_error_says_why(tmp_path):
