@@ -135,6 +135,9 @@ class _Course:
         self.config.CourseDirectory.course_id = COURSE_ID
         self.config.CourseDirectory.db_url = f"sqlite:///{root / 'gradebook.db'}"
         self.config.Execute.timeout = timeout  # per cell; the kernel is interrupted after it
+        # the kernels' own log: errors only (not ipykernel's notice, per kernel, that it talks
+        # to nbgrader over TCP on localhost)
+        self.config.Execute.extra_arguments = ["--IPKernelApp.log_level=ERROR"]
         self.coursedir = CourseDirectory(config=self.config)
         self.log = logging.getLogger(f"{__name__}.nbgrader")
         self.log.propagate = False  # what nbgrader says is reported through _run's records
