@@ -22,7 +22,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "course" / "01_fixture.ipynb"
 CHAPTER_8 = ROOT / "book" / "08_layernorm_gelu_mlp_backward.ipynb"
 MARKERS = {"solution": ("### BEGIN SOLUTION", "### END SOLUTION"), "hidden": course.HIDDEN}
 
-# Planted mistakes in the fixture's answers: (exercise, model-answer line, wrong line).
+# Planted mistakes in the fixture's answers: exercise -> (model-answer line, wrong line).
 # Exercise 1 drops RMSNorm's path through the root mean square; exercise 2 forgets to subtract
 # the maximum, which only the hidden "large logits" case catches.
 FIXTURE_MISTAKES = {
@@ -136,6 +136,8 @@ def test_the_student_edition_withholds_solutions_and_hidden_tests(graded):
             assert cell.source == "YOUR ANSWER HERE"
         if meta.get("grade_id", "").endswith("_answer"):
             assert "raise NotImplementedError()" in cell.source
+        if meta.get("grade_id", "").endswith("_solution"):  # a code solution, replaced whole
+            assert cell.source == "# YOUR CODE HERE\nraise NotImplementedError()"
     readme = (graded["tmp"] / "student" / "README.md").read_text()
     points = sum(c.metadata.nbgrader["points"] for c in course._graded_cells(source_nb))
     assert f"| {graded['chapter'].stem} | {len(graded['graded_ids'])} | {points:g} |" in readme
