@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import importlib.util
 import logging
 import os
 import re
@@ -210,11 +211,9 @@ class _Course:
 
 
 def _require_nbgrader() -> None:
-    try:
-        import nbgrader  # noqa: F401
-    except ModuleNotFoundError as error:
+    if importlib.util.find_spec("nbgrader") is None:
         raise CourseError("the course commands need nbgrader: pip install nbgrader "
-                          "(requirements.txt pins its version)") from error
+                          "(requirements.txt pins its version)")
 
 
 @contextmanager
