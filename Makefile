@@ -1,4 +1,6 @@
 # gptlab: `make book` builds the HTML book, `make test` runs the tests, `make lab` opens Jupyter.
+# `make student` and `make instructor` write the course editions into build/student and
+# build/instructor (nbgrader; docs/COURSE.md).
 # Each target creates .venv and installs everything on first use.
 # `make vendor` re-fetches the JavaScript the pages load offline (MathJax, widget manager) into
 # _vendor/ with npm; its output is committed, so building the book never needs it.
@@ -7,7 +9,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: venv book test lab notebooks vendor clean
+.PHONY: venv book test lab notebooks student instructor vendor clean
 
 venv: $(STAMP)
 
@@ -48,6 +50,16 @@ lab: $(STAMP)
 # Re-execute every chapter in place (after a change to the package that alters what they print).
 notebooks: $(STAMP)
 	$(VENV)/bin/python tools/execute_notebooks.py book/*.ipynb
+
+# The course editions (docs/COURSE.md): the student edition has nbgrader's student version of
+# every chapter with graded work; the instructor edition the chapters as they are and RUBRIC.md.
+student: $(STAMP)
+	rm -rf build/student
+	$(VENV)/bin/python -m gptlab edition student build/student
+
+instructor: $(STAMP)
+	rm -rf build/instructor
+	$(VENV)/bin/python -m gptlab edition instructor build/instructor
 
 vendor:
 	tools/vendor_js.sh

@@ -1,4 +1,6 @@
-"""Command line: ``python -m gptlab train [--option value ...]`` and ``python -m gptlab sample``.
+"""Command line: ``python -m gptlab train [--option value ...]``, ``python -m gptlab sample``, and
+for a course (gptlab.course, docs/COURSE.md) ``python -m gptlab edition {student,instructor} DIR``
+and ``python -m gptlab grade SUBMISSIONS_DIR``.
 
 The ``train`` options are generated from the fields of ``TrainConfig``: one ``--field-name`` per
 field (``--field_name`` works too, unlisted), typed from its annotation, with the field's own
@@ -13,6 +15,7 @@ import sys
 import typing
 from dataclasses import Field, fields
 
+from .course import CELL_TIMEOUT, CourseError, grade, instructor_edition, student_edition
 from .parallel.launch import LaunchFailed
 from .train import TrainConfig, TrainingDiverged, train
 
@@ -116,12 +119,51 @@ def _add_sample_command(commands) -> None:
     option("--device", None, "torch device: cpu, cuda, cuda:1, mps...; none: cpu")
 
 
+def _add_course_commands(commands) -> None:
+    def source_options(parser):
+        parser.add_argument("--source", default="book",
+                            help="the folder of the chapters, the instructor source "
+                                 "(default: book)")
+        parser.add_argument("--chapters", nargs="+", default=(), metavar="CHAPTER",
+                            help="only these chapters: numbers (08) or file names without .ipynb "
+                                 "(default: all)")
+
+    edition = commands.add_parser(
+        "edition", help="write the student or the instructor edition of the chapters",
+        description="student: nbgrader's student version of every chapter with graded work "
+                    "(solutions and hidden tests removed, outputs cleared, grading cells locked), "
+                    "the data the chapters read and a README; instructor: the chapters as they "
+                    "are and RUBRIC.md (points, checkers, hidden tests, model answers).")
+    edition.add_argument("kind", choices=("student", "instructor"))
+    edition.add_argument("out_dir", help="the folder to write the edition into")
+    source_options(edition)
+
+    grade = commands.add_parser(
+        "grade", help="autograde submitted chapters with nbgrader",
+        description="Grade SUBMISSIONS_DIR/<student>/<chapter>.ipynb with nbgrader autograde, "
+                    "hidden tests put back from the source, and write the points of every graded "
+                    "exercise to a CSV file (a total per student at the end).")
+    grade.add_argument("submissions", metavar="SUBMISSIONS_DIR",
+                       help="one folder per student, holding <chapter>.ipynb files")
+    source_options(grade)
+    grade.add_argument("--out", default="grades.csv",
+                       help="the CSV file to write (default: grades.csv)")
+    grade.add_argument("--timeout", type=int, default=CELL_TIMEOUT,
+                       help=f"seconds a cell may run before it is interrupted "
+                            f"(default: {CELL_TIMEOUT})")
+    grade.add_argument("--autograded", default=None, metavar="DIR",
+                       help="also keep the executed submissions, with what every grading cell "
+                            "printed, in DIR/<student>/<chapter>.ipynb (default: none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gptlab",
-                                     description="Train a GPT and sample from it.")
+    parser = argparse.ArgumentParser(
+        prog="python -m gptlab",
+        description="Train a GPT and sample from it; make the course editions and grade them.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_train_command(commands)
     _add_sample_command(commands)
+    _add_course_commands(commands)
     return parser
 
 
@@ -158,12 +200,38 @@ def run_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_edition(args: argparse.Namespace) -> int:
+    build = student_edition if args.kind == "student" else instructor_edition
+    edition = build(args.out_dir, args.source, args.chapters)
+    for reason in edition.left_out:
+        print(f"left out {reason}", file=sys.stderr)
+    print(f"{args.kind} edition: {len(edition.notebooks)} chapters in {args.out_dir}")
+    return 0
+
+
+def run_grade(args: argparse.Namespace) -> int:
+    grades = grade(args.submissions, args.source, args.chapters, timeout=args.timeout,
+                   autograded=args.autograded)
+    grades.write_csv(args.out)
+    for student, (points, max_points) in grades.totals().items():
+        print(f"{student}: {points:g} of {max_points:g} points")
+    for line in grades.notes:
+        print(f"note: {line}", file=sys.stderr)
+    for line in grades.failed:
+        print(f"not graded: {line}", file=sys.stderr)
+    print(f"grades of {len(grades.totals())} students in {args.out}")
+    return 1 if grades.failed else 0
+
+
+COMMANDS = {"train": run_train, "sample": run_sample, "edition": run_edition, "grade": run_grade}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return run_train(args) if args.command == "train" else run_sample(args)
-    except (OSError, ValueError) as err:  # bad paths, data, configs, checkpoints: no traceback
-        print(f"error: {err}", file=sys.stderr)
+        return COMMANDS[args.command](args)
+    except (OSError, ValueError, CourseError) as err:  # bad paths, data, configs, checkpoints,
+        print(f"error: {err}", file=sys.stderr)       # submissions: no traceback
         return 2
 
 

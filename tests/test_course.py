@@ -1,0 +1,243 @@
+"""gptlab.course end to end: nbgrader's student edition of a chapter withholds the solutions and
+the hidden tests, and the autograder scores the untouched student edition 0, the instructor
+source full marks, and a source with one planted mistake all but that exercise's points.
+
+Runs on tests/fixtures/course/01_fixture.ipynb (two graded exercises, one check_backward, one
+check_function, a written question) and on chapter 8 once it has grading cells. nbgrader runs
+each submission in a kernel: a few seconds each."""
+
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from gptlab import course
+from gptlab.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "course" / "01_fixture.ipynb"
+CHAPTER_8 = ROOT / "book" / "08_layernorm_gelu_mlp_backward.ipynb"
+MARKERS = {"solution": ("### BEGIN SOLUTION", "### END SOLUTION"), "hidden": course.HIDDEN}
+
+# Planted mistakes in the fixture's answers: exercise -> (model-answer line, wrong line).
+# Exercise 1 drops RMSNorm's path through the root mean square; exercise 2 forgets to subtract
+# the maximum, which only the hidden "large logits" case catches.
+FIXTURE_MISTAKES = {
+    "ex1": ("dx = rstd * (g - xhat * np.mean(g * xhat, axis=-1, keepdims=True))", "dx = rstd * g"),
+    "ex2": ("e = np.exp(x - np.max(x, axis=-1, keepdims=True))", "e = np.exp(x)"),
+}
+
+
+def _chapter_8_is_graded() -> bool:
+    return bool(course._graded_cells(nbformat.read(CHAPTER_8, as_version=4)))
+
+
+CHAPTERS = [
+    pytest.param(FIXTURE, id="fixture"),
+    pytest.param(CHAPTER_8, id="chapter-8", marks=pytest.mark.skipif(
+        not _chapter_8_is_graded(), reason="chapter 8 has no grading cells yet")),
+]
+
+
+def _regions(source: str, markers) -> list[str]:
+    return re.findall(re.escape(markers[0]) + r"(.*?)" + re.escape(markers[1]), source, re.S)
+
+
+def _cell(nb, grade_id):
+    return next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+
+
+def _plant(nb, exercise: str, wrong_line: tuple[str, str] | None = None):
+    """A copy of ``nb`` whose answer to ``exercise`` is wrong: ``wrong_line`` replaced, or, for a
+    chapter, the model answer raising before it returns."""
+    nb = nbformat.from_dict(json.loads(json.dumps(nb)))
+    cell = _cell(nb, f"{exercise}_answer")
+    if wrong_line is not None:
+        assert wrong_line[0] in cell.source
+        cell.source = cell.source.replace(*wrong_line)
+    else:
+        begin = MARKERS["solution"][0]
+        indent = cell.source[:cell.source.index(begin)].rsplit("\n", 1)[-1]
+        cell.source = cell.source.replace(
+            begin, f"{begin}\n{indent}raise ArithmeticError('planted mistake')", 1)
+    return nb
+
+
+def _tamper(nb, exercise: str):
+    """A copy of ``nb`` whose grading cell of ``exercise`` no longer checks anything."""
+    nb = nbformat.from_dict(json.loads(json.dumps(nb)))
+    _cell(nb, exercise).source = "# Grading cell, edited by the student\npass"
+    return nb
+
+
+@pytest.fixture(scope="module", params=CHAPTERS)
+def graded(request, tmp_path_factory, monkeypatch_module):
+    """The student edition of one chapter, and the grades of submissions of it."""
+    chapter = request.param
+    monkeypatch_module.setenv("PYTHONPATH", str(ROOT))  # the kernels import this gptlab
+    tmp = tmp_path_factory.mktemp("course")
+    source, only = chapter.parent, [chapter.stem]
+    edition = course.student_edition(tmp / "student", source, only)
+    assert edition.notebooks == [tmp / "student" / chapter.name] and not edition.left_out
+    student_nb = nbformat.read(edition.notebooks[0], as_version=4)
+    source_nb = nbformat.read(chapter, as_version=4)
+    graded_ids = [c.metadata.nbgrader["grade_id"] for c in course._graded_cells(source_nb)]
+
+    submissions = {"untouched": student_nb, "instructor": source_nb}
+    if chapter == FIXTURE:
+        for exercise, wrong_line in FIXTURE_MISTAKES.items():
+            submissions[f"mistake-{exercise}"] = _plant(source_nb, exercise, wrong_line)
+        submissions["tampered"] = _tamper(student_nb, "ex1")
+    else:
+        submissions[f"mistake-{graded_ids[0]}"] = _plant(source_nb, graded_ids[0])
+    for student, nb in submissions.items():
+        (tmp / "submitted" / student).mkdir(parents=True)
+        nbformat.write(nb, tmp / "submitted" / student / chapter.name)
+
+    kernels_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    grades = course.grade(tmp / "submitted", source, only, timeout=300,
+                          autograded=tmp / "autograded")
+    kernels_after = {p.pid for p in psutil.Process().children(recursive=True)}
+    return dict(chapter=chapter, tmp=tmp, grades=grades, graded_ids=graded_ids,
+                student_nb=student_nb, source_nb=source_nb, leftover=kernels_after - kernels_before)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def _points(grades, student) -> dict[str, tuple[float, float]]:
+    return {r.exercise: (r.points, r.max_points) for r in grades.rows if r.student == student}
+
+
+def test_the_student_edition_withholds_solutions_and_hidden_tests(graded):
+    source_nb, student_nb = graded["source_nb"], graded["student_nb"]
+    text = json.dumps(student_nb)
+    for kind, markers in MARKERS.items():
+        assert markers[0] not in text and markers[1] not in text, kind
+        outside = "\n".join(re.sub(re.escape(markers[0]) + ".*?" + re.escape(markers[1]), "",
+                                   c.source, flags=re.S) for c in source_nb.cells)
+        for region in (r for c in source_nb.cells for r in _regions(c.source, markers)):
+            for line in filter(None, (line.strip() for line in region.splitlines())):
+                if line not in outside:  # a line only the withheld region has
+                    assert line not in text, f"{kind} line left in the student edition: {line}"
+    for source_cell, cell in zip(source_nb.cells, student_nb.cells, strict=True):
+        meta = source_cell.metadata.get("nbgrader", {})
+        if cell.cell_type == "code":
+            assert cell.outputs == []
+        if meta.get("grade") and meta.get("solution") is False:  # grading cell: locked
+            assert cell.metadata["editable"] is False and cell.metadata["deletable"] is False
+        if meta.get("solution") and cell.cell_type == "markdown":  # written answer
+            assert cell.source == "YOUR ANSWER HERE"
+        if meta.get("grade_id", "").endswith("_answer"):
+            assert "raise NotImplementedError()" in cell.source
+        if meta.get("grade_id", "").endswith("_solution"):  # a code solution, replaced whole
+            assert cell.source == "# YOUR CODE HERE\nraise NotImplementedError()"
+    readme = (graded["tmp"] / "student" / "README.md").read_text()
+    points = sum(c.metadata.nbgrader["points"] for c in course._graded_cells(source_nb))
+    assert f"| {graded['chapter'].stem} | {len(graded['graded_ids'])} | {points:g} |" in readme
+
+
+def test_every_grading_cell_of_the_student_edition_fails(graded):
+    run = nbformat.read(graded["tmp"] / "autograded" / "untouched" / graded["chapter"].name, 4)
+    errors = {c.metadata.nbgrader["grade_id"]: [o for o in c.outputs if o.output_type == "error"]
+              for c in course._graded_cells(run)}
+    assert list(errors) == graded["graded_ids"]
+    for grade_id, outputs in errors.items():
+        assert outputs and "NotImplementedError" in outputs[0].evalue, grade_id
+
+
+def test_grades_untouched_zero_instructor_full_a_mistake_loses_its_exercise(graded):
+    grades, ids = graded["grades"], graded["graded_ids"]
+    assert not grades.failed
+    points = {c.metadata.nbgrader["grade_id"]: float(c.metadata.nbgrader["points"])
+              for c in course._graded_cells(graded["source_nb"])}
+    full = {i: (points[i], points[i]) for i in ids}
+    assert _points(grades, "instructor") == full
+    assert _points(grades, "untouched") == {i: (0.0, full[i][1]) for i in ids}
+    mistakes = [s for s in {r.student for r in grades.rows} if s.startswith("mistake-")]
+    assert mistakes
+    for student in mistakes:
+        wrong = student.removeprefix("mistake-")
+        assert _points(grades, student) == {**full, wrong: (0.0, full[wrong][1])}
+    assert graded["leftover"] == set(), "kernels left running after grading"
+
+
+def test_an_edited_grading_cell_is_put_back_and_reported(graded):
+    if graded["chapter"] != FIXTURE:
+        pytest.skip("planted in the fixture only")
+    grades = graded["grades"]
+    assert _points(grades, "tampered") == {"ex1": (0.0, 4.0), "ex2": (0.0, 2.0)}
+    tampered = [note for note in grades.notes if note.startswith("tampered/")]
+    assert len(tampered) == 1 and "cell ex1 has changed" in tampered[0], grades.notes
+    assert not [note for note in grades.notes if not note.startswith("tampered/")], grades.notes
+
+
+def test_the_csv_has_a_row_per_exercise_and_a_total_per_student(graded, tmp_path):
+    grades = graded["grades"]
+    grades.write_csv(tmp_path / "grades.csv")
+    lines = (tmp_path / "grades.csv").read_text().splitlines()
+    assert lines[0] == "student,chapter,exercise,points,max_points"
+    students = sorted({r.student for r in grades.rows})
+    assert len(lines) == 1 + len(students) * (len(graded["graded_ids"]) + 1)
+    max_total = sum(r.max_points for r in grades.rows if r.student == "instructor")
+    assert f"instructor,all,total,{max_total:g},{max_total:g}" in lines
+    assert f"untouched,all,total,0,{max_total:g}" in lines
+
+
+def test_the_instructor_edition_from_the_command_line(tmp_path, capsys):
+    assert main(["edition", "instructor", str(tmp_path), "--source", str(FIXTURE.parent)]) == 0
+    assert "instructor edition: 1 chapters" in capsys.readouterr().out
+    assert (tmp_path / FIXTURE.name).read_bytes() == FIXTURE.read_bytes()
+    assert (tmp_path / "RUBRIC.md").read_text() == course.rubric([FIXTURE])
+
+
+def test_rubric_lists_points_checkers_hidden_tests_and_model_answers():
+    text = course.rubric([FIXTURE])
+    assert "In all: 2 graded exercises, 6 points." in text
+    assert "| 1. Write this backward yourself: RMSNorm (`ex1`) | 4 | " \
+           "`check_backward(rmsnorm_forward, rmsnorm_backward)` |" in text
+    assert "| 2. Write this function yourself: softmax (`ex2`) | 2 | " \
+           "`check_function(softmax, softmax_reference)` |" in text
+    assert 'hidden["large logits"]' in text  # the hidden tests, as code
+    assert "**3. Why no mean?**" in text and "> LayerNorm subtracts the row mean" in text
+
+
+def test_bad_input_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="submissions folder"):
+        course.grade(tmp_path / "missing", FIXTURE.parent)
+    with pytest.raises(ValueError, match="no chapter '99'"):
+        course.chapters(FIXTURE.parent, ["99"])
+    (tmp_path / "ann").mkdir()
+    (tmp_path / "ann" / "notes.ipynb").write_text("{}")
+    with pytest.raises(ValueError, match="notes.ipynb is not a chapter"):
+        course.grade(tmp_path, FIXTURE.parent)
+    # the command line says the same, without a traceback
+    assert main(["grade", str(tmp_path), "--source", str(FIXTURE.parent)]) == 2
+
+
+def test_only_the_chosen_chapters_are_graded(tmp_path):
+    (tmp_path / "book").mkdir()
+    (tmp_path / "submitted" / "ann").mkdir(parents=True)
+    chapters = [tmp_path / "book" / "01_a.ipynb", tmp_path / "book" / "02_b.ipynb"]
+    for path in chapters:
+        path.write_text("{}")
+        (tmp_path / "submitted" / "ann" / path.name).write_text("{}")
+    found = course._submissions(tmp_path / "submitted", chapters,
+                                course.chapters(tmp_path / "book", ["02"]))
+    assert found == [("ann", chapters[1], tmp_path / "submitted" / "ann" / "02_b.ipynb")]
+
+
+def test_nbgrader_rejects_broken_metadata_and_the_error_says_why(tmp_path):
+    nb = nbformat.read(FIXTURE, as_version=4)
+    _cell(nb, "ex3_written").metadata.nbgrader["grade"] = False  # as nbgrader forbids
+    source = tmp_path / "source"
+    source.mkdir()
+    nbformat.write(nb, source / FIXTURE.name)
+    with pytest.raises(course.CourseError, match="Markdown solution cell is not marked as a grade"):
+        course.instructor_edition(tmp_path / "instructor", source)
