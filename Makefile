@@ -65,5 +65,5 @@ vendor:
 	tools/vendor_js.sh
 
 clean:
-	rm -rf _build .pytest_cache .hypothesis .jupyter_cache *.egg-info
+	rm -rf _build build .pytest_cache .hypothesis .jupyter_cache *.egg-info
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -print -exec rm -rf {} +
