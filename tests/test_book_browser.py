@@ -61,11 +61,15 @@ pytestmark = [
 TIMEOUT_MS = 120_000  # one page: load, typeset, draw its widgets (a loaded 2-core machine is slow)
 
 # Page weight budgets, in MB (10^6 bytes) of HTML plus every response the page requested. Every
-# page pays about 2.0 MB for the book's frame: MathJax 3's full component (1.33 MB), the theme's
-# stylesheet (0.40 MB) and icon font (0.16 MB), bootstrap and the MathJax fonts a page uses. A
-# page with animations carries their frames inline (matplotlib to_jshtml); a page that shows
-# ipywidgets loads the widget manager (1.9 MB) and the stored widget state.
-PAGE_BUDGETS_MB = {"prose and figures": 3.5, "animations": 4.5, "widgets": 6.5}
+# page pays 1.6-1.7 MB for the book's frame: MathJax 3 as components (0.75 MB, see _config.yml)
+# and the woff fonts its math uses (0.08-0.17 MB), the theme's stylesheet (0.40 MB) and icon font
+# (0.16 MB), bootstrap (0.08 MB) and the small scripts and stylesheets of the extensions. A page
+# with animations carries their frames inline (matplotlib to_jshtml); a page that shows ipywidgets
+# loads the widget manager (1.9 MB) and the stored widget state. The goal of a page of prose and
+# figures under 2 MB leaves a chapter 0.3 MB of HTML and figures with this frame; the chapters
+# carry 0.2-1.0 MB (2x PNG figures, listings), so the budgets are the frame plus what the
+# chapters need, 0.5 MB lower each than with MathJax's 1.33 MB all-in-one component.
+PAGE_BUDGETS_MB = {"prose and figures": 3.0, "animations": 4.0, "widgets": 6.0}
 
 
 def _toc_docnames() -> list[str]:

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Vendor the JavaScript the built book needs, so that the HTML pages render math and widgets
 # with no internet connection:
-#   - MathJax 3 (npm package `mathjax`): the all-in-one TeX -> CommonHTML component
-#     `tex-chtml-full.js` (every TeX extension bundled, so nothing is fetched on demand) and the
-#     woff-v2 fonts it loads from `output/chtml/fonts/woff-v2/` next to itself;
+#   - MathJax 3 (npm package `mathjax`) as separate components, which `startup.js` (the loader)
+#     fetches from the folder it was loaded from: the core, the TeX input without extensions
+#     (`input/tex-base.js`), every TeX extension as a file of its own (`input/tex/extensions/`; a
+#     page downloads only those `mathjax3_config.loader.load` in _config.yml names), the CommonHTML
+#     output with its font data and woff-v2 fonts, and the assistive MathML for screen readers.
+#     The combined components (tex-chtml-full.js, 1.33 MB; tex-chtml.js, 1.16 MB) carry what the
+#     book does not use: every extension, or the 0.43 MB context menu (`ui/menu`);
 #   - the ipywidgets HTML embed manager (npm package `@jupyter-widgets/html-manager`): the
 #     standalone bundle `dist/embed.js` (it needs no require.js: the built-in widget modules
 #     base, controls and output are inside it) and the Font Awesome woff2 fonts it references
@@ -31,10 +35,15 @@ tar xzf "jupyter-widgets-html-manager-${HTML_MANAGER_VERSION}.tgz" -C html-manag
 
 rm -rf "$VENDOR/mathjax" "$VENDOR/jupyter-widgets"
 
-# MathJax: one component plus the fonts the CHTML output loads relative to the script's URL.
-mkdir -p "$VENDOR/mathjax/output/chtml/fonts"
-cp mathjax/es5/tex-chtml-full.js "$VENDOR/mathjax/"
-cp -r mathjax/es5/output/chtml/fonts/woff-v2 "$VENDOR/mathjax/output/chtml/fonts/"
+# MathJax: the components, at the paths the loader asks for relative to startup.js. The
+# extensions' all-in-one bundle (all-packages.js) is left out: each extension is there on its own.
+MATHJAX_COMPONENTS=(startup.js core.js input/tex-base.js input/tex/extensions output/chtml.js
+                    output/chtml/fonts/tex.js output/chtml/fonts/woff-v2 a11y/assistive-mml.js)
+for component in "${MATHJAX_COMPONENTS[@]}"; do
+  mkdir -p "$VENDOR/mathjax/$(dirname "$component")"
+  cp -r "mathjax/es5/$component" "$VENDOR/mathjax/$component"
+done
+rm "$VENDOR/mathjax/input/tex/extensions/all-packages.js"
 cp mathjax/LICENSE "$VENDOR/mathjax/LICENSE"
 
 # Widget embed manager: the non-AMD bundle, its licence notes, the woff2 icon fonts (the bundle's
@@ -53,8 +62,16 @@ cp html-manager/dist/*.woff2 "$VENDOR/jupyter-widgets/"
   echo
   echo "| package | version | licence | files |"
   echo "| --- | --- | --- | --- |"
-  echo "| mathjax | ${MATHJAX_VERSION} | Apache-2.0 (mathjax/LICENSE) | mathjax/tex-chtml-full.js, mathjax/output/chtml/fonts/woff-v2/ |"
+  echo "| mathjax | ${MATHJAX_VERSION} | Apache-2.0 (mathjax/LICENSE) | mathjax/: $(printf '%s, ' "${MATHJAX_COMPONENTS[@]}" | sed 's/, $//') |"
   echo "| @jupyter-widgets/html-manager | ${HTML_MANAGER_VERSION} | BSD-3-Clause; bundled libraries in jupyter-widgets/embed.js.LICENSE.txt; Font Awesome Free 5 fonts: SIL OFL 1.1 | jupyter-widgets/embed.js, jupyter-widgets/*.woff2 |"
+  echo
+  echo "MathJax comes as separate components: a page loads \`mathjax/startup.js\` (\`mathjax_path\`), which"
+  echo "loads the components that \`mathjax3_config.loader.load\` in \`_config.yml\` lists (the core, the TeX"
+  echo "input with the ams and boldsymbol extensions, the CommonHTML output with its font data, the"
+  echo "assistive MathML) from its own folder, about 0.75 MB, and the woff fonts the page's math uses."
+  echo "Every TeX extension is vendored (\`mathjax/input/tex/extensions/\`); a page downloads only those"
+  echo "listed. Not vendored: the combined components (\`tex-chtml-full.js\`, 1.33 MB, which the book"
+  echo "loaded before) and MathJax's right-click menu (\`ui/menu\`, 0.43 MB)."
   echo
   echo "\`shims/\` is ours, hand-written, and left alone by the script: \`ipywidgets-mathjax3.js\` lets"
   echo "the widget manager (which calls the MathJax 2 API) typeset widget labels with MathJax 3."
