@@ -36,6 +36,9 @@ CHAPTER_PATTERNS = ("[0-9][0-9]_*.ipynb", "capstone.ipynb")
 CHAPTER_DATA = {"figures": "figures", "../benchmarks/results": "benchmarks/results"}
 COURSE_ID = "gptlab"
 CELL_TIMEOUT = 600  # seconds a cell may run when grading (nbval's limit for the chapters)
+# nbgrader's stub for a code solution, and what an ungraded exercise's solution cell gets instead
+UNGRADED_STUB = ("# YOUR CODE HERE\nraise NotImplementedError()",
+                 "# YOUR CODE HERE (an exercise without points: no grading cell checks it)")
 STUDENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+-]*$")  # no glob characters: nbgrader globs
 CHECKERS = ("check_backward", "check_function")
 HIDDEN = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")
@@ -292,7 +295,7 @@ def student_edition(out_dir, source="book", only: Iterable[str] = ()) -> Edition
             course.add_source(chapter)
             released = course.generate(chapter.stem)
             out_dir.mkdir(parents=True, exist_ok=True)
-            notebooks.append(Path(shutil.copyfile(released, out_dir / chapter.name)))
+            notebooks.append(_without_raising_stubs(released, out_dir / chapter.name))
             points = sum(_nbgrader(cell)["points"] for cell in graded)
             table.append(f"| {chapter.stem} | {len(graded)} | {points:g} |\n")
     if not notebooks:
@@ -300,6 +303,21 @@ def student_edition(out_dir, source="book", only: Iterable[str] = ()) -> Edition
     _copy_data(Path(source), out_dir)
     (out_dir / "README.md").write_text(STUDENT_README + "".join(table))
     return Edition(notebooks, left_out)
+
+
+def _without_raising_stubs(released: Path, target: Path) -> Path:
+    """Copy a released notebook, with the stub of each ungraded code solution (``exK_solution``)
+    made harmless: nothing grades those cells, so running every cell should not stop there."""
+    import nbformat
+
+    nb = _read(released)
+    for cell in nb.cells:
+        meta = _nbgrader(cell)
+        if meta.get("solution") and not meta.get("grade") and cell.cell_type == "code" \
+                and re.fullmatch(r"ex\d+_solution(_\d+)?", meta.get("grade_id", "")):
+            cell.source = cell.source.replace(UNGRADED_STUB[0], UNGRADED_STUB[1])
+    nbformat.write(nb, target)
+    return target
 
 
 def instructor_edition(out_dir, source="book", only: Iterable[str] = ()) -> Edition:

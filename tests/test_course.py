@@ -126,6 +126,7 @@ def test_the_student_edition_withholds_solutions_and_hidden_tests(graded):
             for line in filter(None, (line.strip() for line in region.splitlines())):
                 if line not in outside:  # a line only the withheld region has
                     assert line not in text, f"{kind} line left in the student edition: {line}"
+    solutions = 0
     for source_cell, cell in zip(source_nb.cells, student_nb.cells, strict=True):
         meta = source_cell.metadata.get("nbgrader", {})
         if cell.cell_type == "code":
@@ -136,8 +137,10 @@ def test_the_student_edition_withholds_solutions_and_hidden_tests(graded):
             assert cell.source == "YOUR ANSWER HERE"
         if meta.get("grade_id", "").endswith("_answer"):
             assert "raise NotImplementedError()" in cell.source
-        if meta.get("grade_id", "").endswith("_solution"):  # a code solution, replaced whole
-            assert cell.source == "# YOUR CODE HERE\nraise NotImplementedError()"
+        if meta.get("grade_id", "").endswith("_solution"):  # ungraded: replaced, not raising
+            assert cell.source == course.UNGRADED_STUB[1]
+            solutions += 1
+    assert solutions == 1
     readme = (graded["tmp"] / "student" / "README.md").read_text()
     points = sum(c.metadata.nbgrader["points"] for c in course._graded_cells(source_nb))
     assert f"| {graded['chapter'].stem} | {len(graded['graded_ids'])} | {points:g} |" in readme

@@ -1,7 +1,7 @@
 """Write the nbgrader metadata of every chapter's exercise cells from the book's conventions.
 
-    .venv/bin/python tools/grading_cells.py           # rewrite the metadata that is stale
-    .venv/bin/python tools/grading_cells.py --check   # exit 1, naming the problems, if any
+    .venv/bin/python tools/grading_cells.py [CHAPTER ...]          # rewrite stale metadata
+    .venv/bin/python tools/grading_cells.py --check [CHAPTER ...]  # exit 1, naming problems
 
 The chapters are the instructor source of the course (docs/COURSE.md). Authors write cells by
 the conventions below; this tool derives the nbgrader metadata from them, so that it is never
@@ -13,7 +13,8 @@ edited by hand and never drifts:
   place of the answer); tagged ``hide-input``, so the HTML book shows it behind a toggle;
 - grading cell: a code cell whose first line is ``# Grading cell for exercise K (P points)``,
   with hidden tests between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS`` -> a locked
-  nbgrader grade cell ``exK`` worth P points (it earns them when it raises nothing);
+  nbgrader grade cell ``exK`` worth P points (it earns them when it raises nothing); tagged
+  ``hide-input`` too: the HTML book shows its report, and its code behind a toggle;
 - code solution: a code cell whose first line is ``# @title Solution to exercise K`` -> a
   solution cell ``exK_solution`` (replaced whole in the student edition);
 - prose solution: a markdown cell that starts with ``<details>`` -> a solution cell
@@ -117,13 +118,17 @@ def problems(nb) -> list[str]:
     return result
 
 
+def _input_hidden(meta: dict | None) -> bool:
+    """Answer and grading cells show their code behind a toggle in the HTML book."""
+    return bool(meta) and (meta["grade_id"].endswith("answer") or (meta["grade"] and not meta["solution"]))
+
+
 def stale(nb) -> bool:
     expected = expected_metadata(nb)
     for index, cell in enumerate(nb.cells):
         if cell.metadata.get("nbgrader") != expected.get(index):
             return True
-        if index in expected and expected[index]["grade_id"].endswith("answer") and \
-                "hide-input" not in cell.metadata.get("tags", []):
+        if _input_hidden(expected.get(index)) and "hide-input" not in cell.metadata.get("tags", []):
             return True
     return False
 
@@ -133,7 +138,7 @@ def write(nb) -> None:
     for index, cell in enumerate(nb.cells):
         if index in expected:
             cell.metadata["nbgrader"] = expected[index]
-            if expected[index]["grade_id"].endswith("answer"):
+            if _input_hidden(expected[index]):
                 cell.metadata["tags"] = sorted(set(cell.metadata.get("tags", [])) | {"hide-input"})
         else:
             cell.metadata.pop("nbgrader", None)
@@ -141,7 +146,8 @@ def write(nb) -> None:
 
 def main(argv: list[str]) -> int:
     failed = False
-    for path in chapters():
+    paths = [Path(arg).resolve() for arg in argv if not arg.startswith("--")] or chapters()
+    for path in paths:
         nb = nbformat.read(path, as_version=4)
         name = path.relative_to(ROOT)
         if "--check" in argv:
