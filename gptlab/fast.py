@@ -312,7 +312,8 @@ class LossScaler:
     backward therefore starts from dloss = ``scale`` (every gradient scaled up), and the float32
     gradients are divided by it again. A step whose scaled gradients overflow (inf or nan) is
     skipped and the scale halved; after ``growth_interval`` good steps in a row it doubles.
-    Counts: ``skipped`` steps, ``growths`` of the scale, ``good_steps`` since the last change."""
+    Counts: ``skipped`` steps, ``growths`` of the scale, ``good_steps`` since the last change;
+    ``state_dict`` / ``load_state_dict`` carry the scale and the counts through a checkpoint."""
 
     def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, factor: float = 2.0):
         if not (isinstance(growth_interval, int) and growth_interval >= 1):
@@ -330,10 +331,29 @@ class LossScaler:
             self.good_steps, self.skipped = 0, self.skipped + 1
             return False
         self.good_steps += 1
-        if self.good_steps == self.growth_interval:  # long enough without overflow: grow
+        if self.good_steps >= self.growth_interval:  # long enough without overflow: grow
             self.scale *= self.factor
             self.good_steps, self.growths = 0, self.growths + 1
         return True
+
+    def state_dict(self) -> dict:
+        """The schedule's position (JSON-friendly): the scale and the counts. A run resumed from
+        it with ``load_state_dict`` goes on with the same scale."""
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped,
+                "growths": self.growths}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a ``state_dict()``; ValueError naming a missing or bad entry."""
+        scale = state.get("scale")
+        if not (isinstance(scale, (int, float)) and scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"the loss scaler's state needs a finite scale > 0, got {scale!r}")
+        counts = {name: state.get(name) for name in ("good_steps", "skipped", "growths")}
+        for name, count in counts.items():
+            if not (isinstance(count, int) and count >= 0):
+                raise ValueError(f"the loss scaler's state needs {name} as an integer >= 0, "
+                                 f"got {count!r}")
+        self.scale = float(scale)
+        self.good_steps, self.skipped, self.growths = counts.values()
 
 
 class FastStep:

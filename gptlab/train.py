@@ -13,7 +13,8 @@ hand-written backward (``gptlab.loss_and_grads``); "autograd" runs the independe
 reference model (``gptlab.reference.torch_gpt``) and ``loss.backward()``. With ``fused`` the torch
 backend runs the fused eager path (``gptlab.fast``: GPT-2's models; options ``recompute``,
 ``attention="flash"``, ``classifier="chunked"``, ``precision="bfloat16"`` or ``"float16"`` from
-float32 master weights, where a float16 step whose scaled gradients overflow is skipped).
+float32 master weights, where a float16 step whose scaled gradients overflow is skipped; the
+loss scale and its counts are checkpointed, so a resumed run goes on with the same scale).
 Everything random is a function of ``seed`` (batches from a saved ``numpy.random.Generator``,
 dropout from (seed, step), evaluation batches fixed per split), so a run stopped at a checkpoint
 and resumed ends with the same weights as a run that never stopped.
@@ -285,14 +286,11 @@ def dropout_seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
 
 
-def _loss_functions(cfg: TrainConfig, model_cfg: GPTConfig):
+def _loss_functions(cfg: TrainConfig, model_cfg: GPTConfig, scaler: LossScaler | None):
     """(loss_and_grads(params, x, y, dropout_seed) -> (float, grads),
-    loss(params, x, y) -> float)."""
+    loss(params, x, y) -> float); ``scaler``: float16's loss scaler (the fused path)."""
     if cfg.backend != "autograd":
         if cfg.fused:
-            scaler = None
-            if cfg.precision == "float16":
-                scaler = LossScaler(growth_interval=cfg.loss_scale_interval)
             step = FastStep(model_cfg, cfg.precision, attention=cfg.attention,
                             classifier=cfg.classifier, recompute=cfg.recompute, scaler=scaler)
 
@@ -461,7 +459,12 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / STATE_FILE).unlink(missing_ok=True)  # a fresh run supersedes an old one
 
-    train_loss, eval_loss = _loss_functions(cfg, model_cfg)
+    scaler = None  # float16's loss scale; its state goes into the checkpoints
+    if cfg.precision == "float16":
+        scaler = LossScaler(growth_interval=cfg.loss_scale_interval)
+        if cfg.resume and ckpt.state.get("loss_scaler") is not None:
+            scaler.load_state_dict(ckpt.state["loss_scaler"])
+    train_loss, eval_loss = _loss_functions(cfg, model_cfg, scaler)
     mode = _make_mode(cfg, model_cfg, params, train_loss)
     optimizer = make_optimizer(cfg, mode.params)
     if cfg.resume:  # moments saved whole, cut to this mode's layout
@@ -489,7 +492,8 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
 
     def save(step: int) -> Path:
         extra = {"train_config": asdict(cfg), "batch_rng_state": rng.bit_generator.state,
-                 "history": history, "data_source": source, "data_sha256": data_sha256}
+                 "history": history, "data_source": source, "data_sha256": data_sha256,
+                 "loss_scaler": None if scaler is None else scaler.state_dict()}
         if cfg.parallel != "none":
             return save_sharded(out_dir, step=step, mode=mode, optimizer=optimizer,
                                 tokenizer=tokenizer, model_config=model_cfg, extra=extra)
@@ -507,11 +511,9 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
         x, y = get_batch(train_ids, cfg.batch_size, cfg.block_size, rng, cfg.array_backend, device)
         seed = {"dropout_seed": dropout_seed(cfg.seed, step)} if cfg.dropout > 0.0 else {}
         loss, grads, norm = clipped_grads(mode, x, y, cfg.grad_clip, **seed)
-        if grads is None:  # float16's scaled gradients overflowed: no update, a smaller scale
-            step += 1
-            bar.update(1)
-            continue
-        if not (math.isfinite(loss) and math.isfinite(norm)):
+        # grads None: float16's scaled gradients overflowed, so no update (the scaler halved
+        # the scale); the step still counts, and evaluates and checkpoints on schedule
+        if grads is not None and not (math.isfinite(loss) and math.isfinite(norm)):
             bar.close()
             kept = (f"the checkpoint of step {read_state(out_dir)['step']} in {out_dir} is "
                     "untouched" if checkpoint_path else "no checkpoint had been written yet")
@@ -520,7 +522,8 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
                 f"(lr {lr:.3g}). Stopped before this update; {kept}. Try a lower lr, a longer "
                 "warmup or gradient clipping."
             )
-        mode.params = optimizer.step(mode.params, grads, lr=lr)
+        if grads is not None:
+            mode.params = optimizer.step(mode.params, grads, lr=lr)
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)

@@ -217,3 +217,20 @@ def test_recompute_and_fused_runs_match_the_plain_run(tmp_path):
 def test_train_config_checks_the_fast_options(options, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**options)
+
+
+def test_loss_scaler_state_round_trip():
+    scaler = LossScaler(scale=1024.0, growth_interval=3)
+    for finite in (True, True, True, False, True):
+        scaler.update(finite)
+    restored = LossScaler(growth_interval=3)
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.state_dict() == scaler.state_dict() == {
+        "scale": 1024.0, "good_steps": 1, "skipped": 1, "growths": 1}  # fmt: skip
+    for _ in range(2):  # both go on the same way: two more good steps make the third
+        assert restored.update(True) == scaler.update(True)
+    assert restored.scale == scaler.scale == 2048.0
+    with pytest.raises(ValueError, match="finite scale"):
+        restored.load_state_dict({**scaler.state_dict(), "scale": math.inf})
+    with pytest.raises(ValueError, match="good_steps"):
+        restored.load_state_dict({"scale": 1.0, "skipped": 0, "growths": 0})
