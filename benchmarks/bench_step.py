@@ -7,8 +7,8 @@ idiomatic torch, time, peak memory and achieved FLOP/s.
 Contenders, every one computing the loss and the gradient of every parameter of the same model
 (the same params dict, float32, no dropout, no biases, the exact GELU, as nanoGPT's recipe):
 - hand-written: ``gptlab.model.loss_and_grads`` on torch tensors (the book's layer functions);
-- hand-written fused: ``gptlab.fast.fast_loss_and_grads`` (skipped while it does not exist),
-  called without ``buffers``, so its gradients are allocated inside the step as every other
+- hand-written fused: ``gptlab.fast.fast_loss_and_grads`` (training's default path), called
+  without ``buffers``, so its gradients are allocated inside the step as every other
   contender's (peak memory like for like);
 - autograd: ``gptlab.reference.torch_gpt.reference_forward`` (torch ops, attention written out
   with ``masked_fill``) differentiated by ``torch.autograd.grad``;
@@ -53,6 +53,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench_memory import median_times, paired_times, peak_bytes  # benchmarks/bench_memory.py
 from machine import machine_info, report  # benchmarks/machine.py (the script's own folder)
 from gptlab.config import GPTConfig
+from gptlab.fast import fast_loss_and_grads
 from gptlab.model import gpt_backward, gpt_forward, init_params, loss_and_grads
 from gptlab.reference.torch_gpt import reference_forward
 
@@ -110,19 +111,13 @@ def contenders(compile_reason: str | None) -> dict:
         "hand-written": loss_and_grads,
         BASELINE: autograd_step(lambda p, i, t, c: reference_forward(p, i, c, t)[1]),
         "idiomatic torch": autograd_step(idiomatic_loss),
+        "hand-written fused": fast_loss_and_grads,
     }
-    try:
-        from gptlab.fast import fast_loss_and_grads
-    except ImportError as e:
-        print(f"skipped hand-written fused: gptlab.fast.fast_loss_and_grads unavailable ({e})")
-    else:
-        steps["hand-written fused"] = fast_loss_and_grads
     if compile_reason is not None:
         print(f"skipped the compiled contenders: {compile_reason}")
         return steps
-    eager = {"hand-written compiled": hand_written_step, COMPILED_BASELINE: steps[BASELINE]}
-    if "hand-written fused" in steps:
-        eager["hand-written fused compiled"] = steps["hand-written fused"]
+    eager = {"hand-written compiled": hand_written_step, COMPILED_BASELINE: steps[BASELINE],
+             "hand-written fused compiled": fast_loss_and_grads}
     return steps | {name: torch.compile(step) for name, step in eager.items()}
 
 

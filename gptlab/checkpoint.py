@@ -13,7 +13,8 @@ A training run directory (``save_run_checkpoint`` / ``load_run_checkpoint``, use
     model-<step>.safetensors      the parameters, GPT-2 names
     optimizer-<step>.safetensors  the optimizer's moments ("m.<name>", "v.<name>", ...)
     tokenizer.json                the tokenizer (``gptlab.tokenizer.load_tokenizer``)
-    state.json                    step, configs, RNG state, loss history, and the file names
+    state.json                    step, configs, RNG state, loss history, float16's loss
+                                  scale (train's ``extra``), and the file names
 
 Every file is written atomically (a temporary file in the same directory, fsync, ``os.replace``)
 and ``state.json`` goes last. The weight files carry the step in their names, so a new save

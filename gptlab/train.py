@@ -10,10 +10,13 @@ One update, number t = 1, 2, ..., max_iters:
 
 Three ways to get the gradients (``TrainConfig.backend``): "numpy" and "torch" run the
 hand-written backward (``gptlab.loss_and_grads``); "autograd" runs the independent torch
-reference model (``gptlab.reference.torch_gpt``) and ``loss.backward()``. With ``fused`` the torch
-backend runs the fused eager path (``gptlab.fast``: GPT-2's models; options ``recompute``,
-``attention="flash"``, ``classifier="chunked"``, ``precision="bfloat16"`` or ``"float16"`` from
-float32 master weights, where a float16 step whose scaled gradients overflow is skipped).
+reference model (``gptlab.reference.torch_gpt``) and ``loss.backward()``. With ``fused`` (the
+default: measured faster, benchmarks/results/step.md) a one-process torch run of a GPT-2 model
+without dropout takes the fused eager path ``gptlab.fast``, and any other run the plain one.
+The fused path's options: ``recompute``, ``attention="flash"``, ``classifier="chunked"``,
+``precision="bfloat16"`` or ``"float16"`` from float32 master weights (a float16 step whose
+scaled gradients overflow is skipped; the loss scale and its counts are checkpointed, so a
+resumed run goes on with the same scale).
 Everything random is a function of ``seed`` (batches from a saved ``numpy.random.Generator``,
 dropout from (seed, step), evaluation batches fixed per split), so a run stopped at a checkpoint
 and resumed ends with the same weights as a run that never stopped.
@@ -160,8 +163,10 @@ class TrainConfig:
                                   "default")
     seed: int = setting(1337, "seed of the initialisation, the batches and dropout")
     # speed and memory on one device (gptlab.fast, GPT-2's models on torch)
-    fused: bool = setting(False, "the fused eager path gptlab.fast (the same model with fewer "
-                          "temporaries, in-place updates, gradient buffers)")
+    fused: bool = setting(True, "the fused eager path gptlab.fast (the same model with fewer "
+                          "temporaries, in-place updates, gradient buffers) wherever it applies: "
+                          "torch backend, one process, GPT-2's models without dropout; other "
+                          "runs, and --no-fused, take the plain hand-written path")
     recompute: bool = setting(False, "activation recomputation: keep each block's input only "
                               "and run the block again in the backward (less memory, one more "
                               "forward)")
@@ -218,6 +223,23 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.betas must be two numbers, got {self.betas!r}")
         self.model_config(vocab_size=1)  # validates the model fields now, not mid-run
 
+    def _fused_refusal(self) -> str | None:
+        """Why the fused path cannot run this config, or None when it can."""
+        if self.backend != "torch":
+            return f"it runs on torch: use backend='torch', not {self.backend!r}"
+        if self.parallel != "none":
+            return "it runs in one process: use parallel='none'"
+        try:
+            check_fast_config(self.model_config(vocab_size=1))
+        except ValueError as err:
+            return str(err)
+        return None
+
+    @property
+    def runs_fused(self) -> bool:
+        """Whether the run takes the fused path (``fused`` and a config it covers)."""
+        return self.fused and self._fused_refusal() is None
+
     def _check_fast_options(self) -> None:
         """The options of gptlab.fast: ValueError naming the conflict."""
         needs_fused = [f"{name}={getattr(self, name)!r}" for name, plain in
@@ -226,11 +248,11 @@ class TrainConfig:
         if needs_fused and not self.fused:
             raise ValueError(f"{', '.join(needs_fused)} runs on the fused path: add fused=True "
                              "(--fused)")
-        if (self.fused or self.recompute) and self.parallel != "none":
-            raise ValueError("fused and recompute run in one process: use parallel='none'")
-        if self.fused and self.backend != "torch":
-            raise ValueError(f"the fused path runs on torch: use backend='torch', not "
-                             f"{self.backend!r}")
+        refusal = self._fused_refusal() if needs_fused else None
+        if refusal is not None:
+            raise ValueError(f"{', '.join(needs_fused)} runs on the fused path, and {refusal}")
+        if self.recompute and self.parallel != "none":
+            raise ValueError("recompute runs in one process: use parallel='none'")
         if self.recompute and self.backend == "autograd":
             raise ValueError("recompute is an option of the hand-written backward, not of "
                              "backend='autograd'")
@@ -240,8 +262,6 @@ class TrainConfig:
         if self.loss_scale_interval < 1:
             raise ValueError(f"TrainConfig.loss_scale_interval must be >= 1, got "
                              f"{self.loss_scale_interval!r}")
-        if self.fused:
-            check_fast_config(self.model_config(vocab_size=1))
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
@@ -285,14 +305,11 @@ def dropout_seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
 
 
-def _loss_functions(cfg: TrainConfig, model_cfg: GPTConfig):
+def _loss_functions(cfg: TrainConfig, model_cfg: GPTConfig, scaler: LossScaler | None):
     """(loss_and_grads(params, x, y, dropout_seed) -> (float, grads),
-    loss(params, x, y) -> float)."""
+    loss(params, x, y) -> float); ``scaler``: float16's loss scaler (the fused path)."""
     if cfg.backend != "autograd":
-        if cfg.fused:
-            scaler = None
-            if cfg.precision == "float16":
-                scaler = LossScaler(growth_interval=cfg.loss_scale_interval)
+        if cfg.runs_fused:
             step = FastStep(model_cfg, cfg.precision, attention=cfg.attention,
                             classifier=cfg.classifier, recompute=cfg.recompute, scaler=scaler)
 
@@ -461,7 +478,12 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / STATE_FILE).unlink(missing_ok=True)  # a fresh run supersedes an old one
 
-    train_loss, eval_loss = _loss_functions(cfg, model_cfg)
+    scaler = None  # float16's loss scale; its state goes into the checkpoints
+    if cfg.precision == "float16":
+        scaler = LossScaler(growth_interval=cfg.loss_scale_interval)
+        if cfg.resume and ckpt.state.get("loss_scaler") is not None:
+            scaler.load_state_dict(ckpt.state["loss_scaler"])
+    train_loss, eval_loss = _loss_functions(cfg, model_cfg, scaler)
     mode = _make_mode(cfg, model_cfg, params, train_loss)
     optimizer = make_optimizer(cfg, mode.params)
     if cfg.resume:  # moments saved whole, cut to this mode's layout
@@ -489,7 +511,8 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
 
     def save(step: int) -> Path:
         extra = {"train_config": asdict(cfg), "batch_rng_state": rng.bit_generator.state,
-                 "history": history, "data_source": source, "data_sha256": data_sha256}
+                 "history": history, "data_source": source, "data_sha256": data_sha256,
+                 "loss_scaler": None if scaler is None else scaler.state_dict()}
         if cfg.parallel != "none":
             return save_sharded(out_dir, step=step, mode=mode, optimizer=optimizer,
                                 tokenizer=tokenizer, model_config=model_cfg, extra=extra)
@@ -507,11 +530,9 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
         x, y = get_batch(train_ids, cfg.batch_size, cfg.block_size, rng, cfg.array_backend, device)
         seed = {"dropout_seed": dropout_seed(cfg.seed, step)} if cfg.dropout > 0.0 else {}
         loss, grads, norm = clipped_grads(mode, x, y, cfg.grad_clip, **seed)
-        if grads is None:  # float16's scaled gradients overflowed: no update, a smaller scale
-            step += 1
-            bar.update(1)
-            continue
-        if not (math.isfinite(loss) and math.isfinite(norm)):
+        # grads None: float16's scaled gradients overflowed, so no update (the scaler halved
+        # the scale); the step still counts, and evaluates and checkpoints on schedule
+        if grads is not None and not (math.isfinite(loss) and math.isfinite(norm)):
             bar.close()
             kept = (f"the checkpoint of step {read_state(out_dir)['step']} in {out_dir} is "
                     "untouched" if checkpoint_path else "no checkpoint had been written yet")
@@ -520,7 +541,8 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
                 f"(lr {lr:.3g}). Stopped before this update; {kept}. Try a lower lr, a longer "
                 "warmup or gradient clipping."
             )
-        mode.params = optimizer.step(mode.params, grads, lr=lr)
+        if grads is not None:
+            mode.params = optimizer.step(mode.params, grads, lr=lr)
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)

@@ -210,7 +210,8 @@ def test_threads_applies_during_the_run_only(tmp_path, monkeypatch):
     torch.set_num_threads(2)  # not the run's count, so that its return shows
     try:
         tiny = dict(n_layer=1, n_head=1, n_embd=8, block_size=8, batch_size=2, eval_iters=1,
-                    warmup_iters=1, max_iters=2, eval_interval=2, threads=1)
+                    warmup_iters=1, max_iters=2, eval_interval=2, threads=1,
+                    fused=False)  # the plain path: its loss_and_grads is the one recorded
         assert main(["train", *_cli_args("-", **tiny), "--data", str(corpus), "--out-dir",
                      str(tmp_path / "run"), "--quiet"]) == 0
         assert seen == [1, 1]  # one call per update, both on one thread

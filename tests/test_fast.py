@@ -198,22 +198,54 @@ def test_bfloat16_run_follows_float32(tmp_path):
 
 
 def test_recompute_and_fused_runs_match_the_plain_run(tmp_path):
-    plain = tiny_run(tmp_path, "plain")
-    recompute = tiny_run(tmp_path, "recompute", recompute=True)
+    plain = tiny_run(tmp_path, "plain", fused=False)
+    recompute = tiny_run(tmp_path, "recompute", fused=False, recompute=True)
     assert recompute.history == plain.history  # the same operations: bitwise equal
-    plain64 = tiny_run(tmp_path, "plain64", dtype="float64")
-    fused64 = tiny_run(tmp_path, "fused64", dtype="float64", fused=True, recompute=True)
+    plain64 = tiny_run(tmp_path, "plain64", dtype="float64", fused=False)
+    fused64 = tiny_run(tmp_path, "fused64", dtype="float64", recompute=True)  # fused: default
     for a, b in zip(plain64.history, fused64.history):  # the same numbers up to rounding
         assert b["val_loss"] == pytest.approx(a["val_loss"], abs=1e-9)
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(precision="bfloat16"), "fused=True"), (dict(attention="flash"), "fused=True"),
-    (dict(fused=True, backend="numpy"), "torch"),
-    (dict(fused=True, norm="rmsnorm", bias=False), "GPTConfig.norm"),
+    (dict(fused=False, precision="bfloat16"), "fused=True"),
+    (dict(fused=False, attention="flash"), "fused=True"),
+    (dict(precision="bfloat16", backend="numpy"), "torch"),
+    (dict(classifier="chunked", parallel="ddp", nproc=2), "one process"),
+    (dict(attention="flash", norm="rmsnorm", bias=False), "GPTConfig.norm"),
+    (dict(recompute=True, parallel="ddp", nproc=2), "one process"),
     (dict(fused=True, precision="float16", dtype="float64"), "master"),
     (dict(recompute=True, backend="autograd"), "hand-written"),
 ])  # fmt: skip
 def test_train_config_checks_the_fast_options(options, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**options)
+
+
+def test_loss_scaler_state_round_trip():
+    scaler = LossScaler(scale=1024.0, growth_interval=3)
+    for finite in (True, True, True, False, True):
+        scaler.update(finite)
+    restored = LossScaler(growth_interval=3)
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.state_dict() == scaler.state_dict() == {
+        "scale": 1024.0, "good_steps": 1, "skipped": 1, "growths": 1}  # fmt: skip
+    for _ in range(2):  # both go on the same way: two more good steps make the third
+        assert restored.update(True) == scaler.update(True)
+    assert restored.scale == scaler.scale == 2048.0
+    with pytest.raises(ValueError, match="finite scale"):
+        restored.load_state_dict({**scaler.state_dict(), "scale": math.inf})
+    with pytest.raises(ValueError, match="good_steps"):
+        restored.load_state_dict({"scale": 1.0, "skipped": 0, "growths": 0})
+
+
+@pytest.mark.parametrize("options,fused", [
+    ({}, True), (dict(dtype="float64", recompute=True, gelu="erf", bias=False), True),
+    (dict(fused=False), False), (dict(backend="numpy"), False), (dict(backend="autograd"), False),
+    (dict(dropout=0.1), False), (dict(parallel="ddp", nproc=2), False),
+    (dict(norm="rmsnorm", bias=False), False), (dict(tie_embeddings=False), False),
+])  # fmt: skip
+def test_the_fused_path_is_the_default_where_it_applies(options, fused):
+    """fused=True (the default) takes the fused path for GPT-2's models on torch in one process;
+    every other config the plain path handles runs there, with no error."""
+    assert TrainConfig(**options).runs_fused is fused

@@ -210,3 +210,26 @@ def test_cli_trains_a_llama_style_model_and_resumes_exactly(tmp_path, corpus):
     sample = _finish(_gptlab("sample", "--checkpoint", str(stopped), "--prompt", "def",
                              "--max-new-tokens", "6", "--seed", "2"))
     assert sample.startswith("def")
+
+
+def test_a_resumed_float16_run_goes_on_with_the_same_loss_scale(tmp_path, corpus):
+    """float16 on the fused path, the scale doubling after every 2 good steps: a run stopped at
+    step 4 and resumed to 8 has the scale, the counts and the weights of a run that never
+    stopped (a scale restarted at its initial value would scale the gradients differently)."""
+    config = dict(TINY, data=str(corpus), fused=True, precision="float16", loss_scale_interval=2,
+                  eval_interval=4, lr_decay_iters=8, threads=1)  # fmt: skip
+    straight = train(TrainConfig(**config, max_iters=8, out_dir=str(tmp_path / "s")),
+                     progress=False)  # fmt: skip
+    stopped = tmp_path / "stopped"
+    train(TrainConfig(**config, max_iters=4, out_dir=str(stopped)), progress=False)
+    halfway = load_run_checkpoint(stopped).state["loss_scaler"]
+    assert halfway["growths"] + halfway["skipped"] > 0  # not the initial state
+    resumed = train(TrainConfig(**config, max_iters=8, out_dir=str(stopped), resume=True),
+                    progress=False)  # fmt: skip
+    a, b = load_run_checkpoint(stopped), load_run_checkpoint(tmp_path / "s")
+    assert a.state["loss_scaler"] == b.state["loss_scaler"]
+    assert a.state["loss_scaler"]["growths"] + a.state["loss_scaler"]["skipped"] > (
+        halfway["growths"] + halfway["skipped"])  # the schedule moved on after the resume
+    assert resumed.history == straight.history
+    for name, value in straight.params.items():
+        assert np.array_equal(to_numpy(resumed.params[name]), to_numpy(value)), name
