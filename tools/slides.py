@@ -14,8 +14,6 @@ reveal.js and MathJax from the copies of ``_vendor/reveal.js/`` and ``_vendor/ma
 next to it (tools/vendor_js.sh), by relative URLs; figures are embedded as data URIs.
 """
 
-from __future__ import annotations
-
 import argparse
 import re
 import shutil
