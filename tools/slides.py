@@ -59,6 +59,15 @@ window.MathJax = {tex: {inlineMath: [["$", "$"], ["\\(", "\\)"]], processEscapes
 Reveal.initialize({controls: true, progress: true, history: true, slideNumber: "c/t",
                    transition: "{{ resources.reveal.transition }}",
                    width: {{ resources.reveal.width }}, height: {{ resources.reveal.height }}});
+// A slide taller than the deck (many equations, a long summary) is zoomed out until it fits.
+function fit(slide) {
+  slide.style.zoom = "";
+  const height = Reveal.getConfig().height;
+  if (slide.scrollHeight > height) slide.style.zoom = 0.97 * height / slide.scrollHeight;
+  Reveal.layout();
+}
+Reveal.on("ready", (event) => MathJax.startup.promise.then(() => fit(event.currentSlide)));
+Reveal.on("slidechanged", (event) => fit(event.currentSlide));
 </script>
 {% endblock footer_js %}
 """
