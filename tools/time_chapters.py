@@ -76,10 +76,10 @@ def main(argv: list[str]) -> None:
         for path in paths:
             before = load_average()
             seconds = time_chapter(work / "book" / path.name)
+            after = load_average()
             record["chapters"][path.stem] = {"seconds": round(seconds, 1), "load_before": before,
-                                             "load_after": load_average()}
-            print(f"{path.name}: {seconds:.1f} s (load {before[0]} -> {load_average()[0]})",
-                  flush=True)
+                                             "load_after": after}
+            print(f"{path.name}: {seconds:.1f} s (load {before[0]} -> {after[0]})", flush=True)
             record["chapters"] = dict(sorted(record["chapters"].items()))
             OUT.write_text(json.dumps(record, indent=1) + "\n")  # after each: a partial run counts
 
