@@ -61,6 +61,11 @@ instructor: $(STAMP)
 	rm -rf build/instructor
 	$(VENV)/bin/python -m gptlab edition instructor build/instructor
 
+# One reveal.js slide deck per chapter (title, sections with their key equations, captioned
+# figures, summary) into _build/slides/; they open offline.
+slides: $(STAMP)
+	$(VENV)/bin/python tools/slides.py
+
 vendor:
 	tools/vendor_js.sh
 

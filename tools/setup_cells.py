@@ -51,9 +51,9 @@ def repository_url() -> str:
 
 
 def chapters() -> list[Path]:
-    """The numbered chapters and the capstone project."""
+    """The numbered chapters, the course guide and the capstone project."""
     return sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb")) + sorted(
-        (ROOT / "book").glob("capstone.ipynb"))
+        (ROOT / "book").glob("c[ao][pu]*.ipynb"))
 
 
 def extras(nb) -> list[str]:

@@ -11,8 +11,13 @@
 #   - the ipywidgets HTML embed manager (npm package `@jupyter-widgets/html-manager`): the
 #     standalone bundle `dist/embed.js` (it needs no require.js: the built-in widget modules
 #     base, controls and output are inside it) and the Font Awesome woff2 fonts it references
-#     from its own folder.
-# Everything lands in _vendor/mathjax/ and _vendor/jupyter-widgets/ (_vendor/shims/ holds our own
+#     from its own folder;
+#   - reveal.js (npm package `reveal.js`) for the per-chapter slide decks of tools/slides.py:
+#     `dist/reveal.js` (a UMD bundle, loaded by a plain script tag), `dist/reveal.css`, the white
+#     theme and the woff files of the Source Sans Pro font that theme imports (browsers take woff
+#     before the eot/ttf it also lists, so those are dropped). The decks are not part of the HTML
+#     book: tools/slides.py copies _vendor/reveal.js/ and _vendor/mathjax/ next to them.
+# Everything lands in _vendor/mathjax/, _vendor/jupyter-widgets/ and _vendor/reveal.js/ (_vendor/shims/ holds our own
 # small shim and is left alone). _config.yml serves _vendor/ through `html_static_path` (its content
 # is copied to _build/html/_static/). Re-run this script to upgrade; commit the result.
 #
@@ -21,6 +26,7 @@ set -euo pipefail
 
 MATHJAX_VERSION=3.2.2
 HTML_MANAGER_VERSION=1.0.15  # ipywidgets 8 declares `__html_manager_version__ = '^1.0.1'`
+REVEAL_VERSION=4.6.1  # the 4.x layout (dist/, dist/theme/) of nbconvert's reveal template (4.0.2)
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENDOR="$ROOT/_vendor"
@@ -28,12 +34,14 @@ TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 
 cd "$TMP"
-npm pack --silent "mathjax@${MATHJAX_VERSION}" "@jupyter-widgets/html-manager@${HTML_MANAGER_VERSION}" >/dev/null
-mkdir mathjax html-manager
+npm pack --silent "mathjax@${MATHJAX_VERSION}" "@jupyter-widgets/html-manager@${HTML_MANAGER_VERSION}" \
+  "reveal.js@${REVEAL_VERSION}" >/dev/null
+mkdir mathjax html-manager reveal
 tar xzf "mathjax-${MATHJAX_VERSION}.tgz" -C mathjax --strip-components=1
 tar xzf "jupyter-widgets-html-manager-${HTML_MANAGER_VERSION}.tgz" -C html-manager --strip-components=1
+tar xzf "reveal.js-${REVEAL_VERSION}.tgz" -C reveal --strip-components=1
 
-rm -rf "$VENDOR/mathjax" "$VENDOR/jupyter-widgets"
+rm -rf "$VENDOR/mathjax" "$VENDOR/jupyter-widgets" "$VENDOR/reveal.js"
 
 # MathJax: the components, at the paths the loader asks for relative to startup.js. The
 # extensions' all-in-one bundle (all-packages.js) is left out: each extension is there on its own.
@@ -52,6 +60,15 @@ mkdir -p "$VENDOR/jupyter-widgets"
 cp html-manager/dist/embed.js html-manager/dist/embed.js.LICENSE.txt "$VENDOR/jupyter-widgets/"
 cp html-manager/dist/*.woff2 "$VENDOR/jupyter-widgets/"
 
+# reveal.js: the bundle, its stylesheet, the white theme and the font files that theme loads.
+FONT=dist/theme/fonts/source-sans-pro
+mkdir -p "$VENDOR/reveal.js/$FONT"
+cp reveal/LICENSE "$VENDOR/reveal.js/"
+cp reveal/dist/reveal.js reveal/dist/reveal.css "$VENDOR/reveal.js/dist/"
+cp reveal/dist/theme/white.css "$VENDOR/reveal.js/dist/theme/"
+cp reveal/$FONT/source-sans-pro.css reveal/$FONT/*.woff reveal/$FONT/LICENSE "$VENDOR/reveal.js/$FONT/"
+chmod 644 "$VENDOR"/reveal.js/$FONT/*  # the package ships them as rwx------
+
 # A record of what was vendored. (_vendor/README.md is not copied into the HTML output: the
 # pattern README.md in _config.yml's exclude_patterns also filters html_static_path.)
 {
@@ -64,6 +81,7 @@ cp html-manager/dist/*.woff2 "$VENDOR/jupyter-widgets/"
   echo "| --- | --- | --- | --- |"
   echo "| mathjax | ${MATHJAX_VERSION} | Apache-2.0 (mathjax/LICENSE) | mathjax/: $(printf '%s, ' "${MATHJAX_COMPONENTS[@]}" | sed 's/, $//') |"
   echo "| @jupyter-widgets/html-manager | ${HTML_MANAGER_VERSION} | BSD-3-Clause; bundled libraries in jupyter-widgets/embed.js.LICENSE.txt; Font Awesome Free 5 fonts: SIL OFL 1.1 | jupyter-widgets/embed.js, jupyter-widgets/*.woff2 |"
+  echo "| reveal.js | ${REVEAL_VERSION} | MIT (reveal.js/LICENSE); Source Sans Pro fonts: SIL OFL 1.1 (reveal.js/$FONT/LICENSE) | reveal.js/dist/reveal.js, reveal.js/dist/reveal.css, reveal.js/dist/theme/white.css, reveal.js/$FONT/ |"
   echo
   echo "MathJax comes as separate components: a page loads \`mathjax/startup.js\` (\`mathjax_path\`), which"
   echo "loads the components that \`mathjax3_config.loader.load\` in \`_config.yml\` lists (the core, the TeX"
@@ -78,13 +96,17 @@ cp html-manager/dist/*.woff2 "$VENDOR/jupyter-widgets/"
   echo "\`book.css\` (the page layout: a column wide enough for 100 columns of code) and"
   echo "\`favicon.svg\` are ours too, and left alone as well."
   echo
+  echo "\`reveal.js/\` is not used by the HTML book (Sphinx copies it to \`_static/\`, where no page loads"
+  echo "it): \`tools/slides.py\` copies it and \`mathjax/\` next to the per-chapter slide decks it writes"
+  echo "into \`_build/slides/\`, whose pages load both by relative URLs, so the decks open offline."
+  echo
   echo "## SHA-256"
   echo
   echo '```'
-  (cd "$VENDOR" && find mathjax jupyter-widgets -type f | LC_ALL=C sort | xargs sha256sum)
+  (cd "$VENDOR" && find mathjax jupyter-widgets reveal.js -type f | LC_ALL=C sort | xargs sha256sum)
   echo '```'
   echo
-  echo "Total size: $(du -sh --apparent-size "$VENDOR/mathjax" "$VENDOR/jupyter-widgets" | awk '{print $2": "$1}' | sed "s|$VENDOR/||" | paste -sd ',' | sed 's/,/, /g')"
+  echo "Total size: $(du -sh --apparent-size "$VENDOR/mathjax" "$VENDOR/jupyter-widgets" "$VENDOR/reveal.js" | awk '{print $2": "$1}' | sed "s|$VENDOR/||" | paste -sd ',' | sed 's/,/, /g')"
 } > "$VENDOR/README.md"
 
 du -sh --apparent-size "$VENDOR"

@@ -1,0 +1,98 @@
+"""tools/slides.py: the reveal.js deck of a chapter, built from the chapter, opens offline."""
+
+import html
+import importlib.util
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = ROOT / "book" / "00_preface.ipynb"  # small: sections, labelled equations, a figure
+
+
+def _slides_tool():
+    spec = importlib.util.spec_from_file_location("slides", ROOT / "tools" / "slides.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Page(HTMLParser):
+    """The slides (innermost <section>s), the URLs the page loads, and its PNG images."""
+
+    def __init__(self):
+        super().__init__()
+        self.depth, self.slides, self.loaded, self.images = 0, 0, [], 0
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "section":
+            self.depth += 1
+            self.slides += self.depth == 2  # nbconvert nests every slide in a horizontal stack
+        elif tag == "script" and attrs.get("src"):
+            self.loaded.append(attrs["src"])
+        elif tag == "link" and attrs.get("href"):
+            self.loaded.append(attrs["href"])
+        elif tag == "img" and (attrs.get("src") or "").startswith("data:image/png;base64,"):
+            self.images += 1
+
+    def handle_endtag(self, tag):
+        self.depth -= tag == "section"
+
+
+@pytest.fixture(scope="module")
+def deck(tmp_path_factory):
+    out = tmp_path_factory.mktemp("slides")
+    path = _slides_tool().build(CHAPTER, out)
+    page = _Page()
+    page.feed(path.read_text(encoding="utf-8"))
+    return out, path, page
+
+
+def _chapter_markdown():
+    nb = nbformat.read(CHAPTER, as_version=4)
+    return nb, "\n\n".join(cell.source for cell in nb.cells if cell.cell_type == "markdown")
+
+
+def test_the_deck_and_its_notebook_are_written(deck):
+    out, path, _ = deck
+    assert path == out / "00_preface.slides.html" and path.stat().st_size > 0
+    slides_nb = nbformat.read(out / "00_preface.ipynb", as_version=4)
+    assert all("slide_type" in cell.metadata["slideshow"] for cell in slides_nb.cells)
+
+
+def test_one_slide_per_section_and_figure(deck):
+    nb, markdown = _chapter_markdown()
+    sections = [title for title in re.findall(r"^## +(.+)$", markdown, re.M) if title != "Exercises"]
+    figures = [cell for cell in nb.cells if cell.metadata.get("mystnb", {}).get("figure")]
+    assert sections and figures, "the test chapter must have sections and a captioned figure"
+    assert deck[2].slides == 1 + len(sections) + len(figures)  # the title slide first
+    assert deck[2].images == len(figures)
+
+
+def test_the_labelled_equations_are_on_the_slides(deck):
+    _, markdown = _chapter_markdown()
+    equations = re.findall(r"\$\$(.+?)\$\$[ \t]*\(eq-", markdown, re.S)
+    assert equations, "the test chapter must have labelled display equations"
+    page = html.unescape(deck[1].read_text(encoding="utf-8"))
+    for tex in equations:
+        assert tex.strip() in page
+    assert page.count(r"\tag{") == len(equations)
+
+
+def test_the_deck_loads_only_local_files(deck):
+    out, _, page = deck
+    assert any(url.endswith("reveal.js") for url in page.loaded)
+    assert any("mathjax" in url for url in page.loaded)
+    for url in page.loaded:
+        assert not re.match(r"(https?:)?//", url), f"{url} is loaded from the network"
+        assert (out / url).is_file(), f"{url} is not next to the deck"
+
+
+def test_a_notebook_without_a_title_is_refused():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("## No title")])
+    with pytest.raises(ValueError, match="untitled.ipynb: no markdown cell"):
+        _slides_tool().deck(nb, "untitled.ipynb")
