@@ -42,6 +42,7 @@ ANSWER = re.compile(r"# Exercise (\d+)\s*:")
 GRADING = re.compile(r"# Grading cell for exercise (\d+) \((\d+) points?\)")
 CODE_SOLUTION = re.compile(r"# @title Solution to exercise (\d+)\b")
 STATEMENT = re.compile(r"^\*\*(\d+)\.", re.M)  # an exercise statement: "**3. Title.**"
+DOTTED = re.compile(r"^\*\*(Exercise )?\d+\.\d+|^# @title Solution to exercise \d+\.\d", re.M)
 MARKERS = ("### BEGIN SOLUTION", "### END SOLUTION")
 HIDDEN = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")
 
@@ -111,6 +112,9 @@ def problems(nb) -> list[str]:
                 result.append(f"cell {index}: grading cell for exercise {exercise} gives no points")
         if kind == "answer" and not all(marker in source for marker in MARKERS):
             result.append(f"cell {index}: answer cell for exercise {exercise} has no solution markers")
+    for index, cell in enumerate(nb.cells):
+        if DOTTED.search(cell.source.split("\n", 1)[0] if cell.cell_type == "code" else cell.source):
+            result.append(f"cell {index}: an exercise numbered like 5.3: number them 1, 2, ...")
     answers = {index for index, kind, _, _ in found if kind == "answer"}
     for index, cell in enumerate(nb.cells):
         if index not in answers and MARKERS[0] in cell.source:
