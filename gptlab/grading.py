@@ -83,7 +83,7 @@ def _autograd_entries() -> dict:
 
 
 def _code(fn):
-    fn = inspect.unwrap(fn)
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))  # a bound method: its function
     if not inspect.isfunction(fn):
         raise TypeError(f"guard takes Python functions, got {type(fn).__name__}")
     return fn.__code__

@@ -117,6 +117,17 @@ def test_check_function_compares_shapes_dtypes_and_values():
     assert gelu_out.passed  # a forward of gptlab is not a backward: allowed
 
 
+def test_guard_takes_bound_methods():
+    class Tokenizer:
+        def encode(self, text):
+            return list(text)
+
+    tokenizer = Tokenizer()
+    with pytest.raises(GradingError, match="encode"):
+        with guard(forbid=[tokenizer.encode]):
+            tokenizer.encode("ab")
+
+
 def test_bad_cases_are_refused():
     with pytest.raises(ValueError, match="non-empty dict"):
         check_backward(layernorm_forward, own_layernorm_backward, {})
