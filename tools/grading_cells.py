@@ -36,6 +36,8 @@ from pathlib import Path
 
 import nbformat
 
+from gptlab import course
+
 ROOT = Path(__file__).resolve().parent.parent
 
 ANSWER = re.compile(r"# Exercise (\d+)\s*:")
@@ -48,9 +50,8 @@ HIDDEN = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")
 
 
 def chapters() -> list[Path]:
-    """The numbered chapters and the capstone project."""
-    return sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb")) + sorted(
-        (ROOT / "book").glob("capstone.ipynb"))
+    """The numbered chapters and the capstone project (gptlab.course's list)."""
+    return course.chapters(ROOT / "book")
 
 
 def _nbgrader(grade_id: str, *, solution: bool, grade: bool, points: int = 0) -> dict:

@@ -26,6 +26,8 @@ import yaml
 from jinja2 import DictLoader
 from nbconvert import SlidesExporter
 
+from gptlab import course
+
 ROOT = Path(__file__).resolve().parent.parent
 VENDOR = ROOT / "_vendor"
 OUT = ROOT / "_build" / "slides"
@@ -84,9 +86,8 @@ class Section:
 
 
 def chapters() -> list[Path]:
-    """The numbered chapters and the capstone project."""
-    book = ROOT / "book"
-    return sorted(book.glob("[0-9][0-9]_*.ipynb")) + sorted(book.glob("capstone.ipynb"))
+    """The numbered chapters and the capstone project (gptlab.course's list)."""
+    return course.chapters(ROOT / "book")
 
 
 def sections(nb, name: str) -> list[Section]:

@@ -26,15 +26,16 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from gptlab import course
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "book" / "chapter_times.json"
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 def chapters() -> list[Path]:
-    """The numbered chapters and the capstone project."""
-    book = ROOT / "book"
-    return sorted(book.glob("[0-9][0-9]_*.ipynb")) + sorted(book.glob("capstone.ipynb"))
+    """The numbered chapters and the capstone project (gptlab.course's list)."""
+    return course.chapters(ROOT / "book")
 
 
 def cpu_model() -> str:
