@@ -408,7 +408,7 @@ def _chapter_rubric(nb, chapter: Path) -> str:
         parts.append("No graded work yet.\n")
     else:
         points = sum(_nbgrader(cell)["points"] for cell in graded)
-        parts.append(f"{len(graded)} graded exercises, {points:g} points.\n\n"
+        parts.append(f"{len(graded)} graded exercise{'s' * (len(graded) != 1)}, {points:g} points.\n\n"
                      "| Exercise | Points | Graded by |\n|---|---|---|\n")
         for cell in graded:
             meta = _nbgrader(cell)
