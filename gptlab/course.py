@@ -408,7 +408,8 @@ def _chapter_rubric(nb, chapter: Path) -> str:
         parts.append("No graded work yet.\n")
     else:
         points = sum(_nbgrader(cell)["points"] for cell in graded)
-        parts.append(f"{len(graded)} graded exercise{'s' * (len(graded) != 1)}, {points:g} points.\n\n"
+        exercises = f"{len(graded)} graded exercise" + "s" * (len(graded) != 1)
+        parts.append(f"{exercises}, {points:g} points.\n\n"
                      "| Exercise | Points | Graded by |\n|---|---|---|\n")
         for cell in graded:
             meta = _nbgrader(cell)
