@@ -14,9 +14,14 @@ edited by hand and never drifts:
 - grading cell: a code cell whose first line is ``# Grading cell for exercise K (P points)``,
   with hidden tests between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS`` -> a locked
   nbgrader grade cell ``exK`` worth P points (it earns them when it raises nothing); tagged
-  ``hide-input`` too: the HTML book shows its report, and its code behind a toggle;
+  ``hide-input`` too: the HTML book shows its report, and its code behind a toggle. It imports
+  the checkers it calls (``from gptlab.grading import ...``) itself, so no editable cell can
+  redefine them;
 - code solution: a code cell whose first line is ``# @title Solution to exercise K`` -> a
   solution cell ``exK_solution`` (replaced whole in the student edition);
+- given code: a code cell whose first line is ``# Given for exercise K`` (the forward a
+  backward exercise differentiates) -> a read-only cell ``exK_given``, put back as released when
+  grading, so an edited forward cannot make a wrong backward pass;
 - prose solution: a markdown cell that starts with ``<details>`` -> a solution cell
   ``exK_written`` holding the model answer to a written question (the student edition shows
   "YOUR ANSWER HERE"); nbgrader requires it to be a grade cell too, so it is one, graded by
@@ -43,6 +48,10 @@ ROOT = Path(__file__).resolve().parent.parent
 ANSWER = re.compile(r"# Exercise (\d+)\s*:")
 GRADING = re.compile(r"# Grading cell for exercise (\d+) \((\d+) points?\)")
 CODE_SOLUTION = re.compile(r"# @title Solution to exercise (\d+)\b")
+GIVEN = re.compile(r"# Given for exercise (\d+)\b")
+# A grading cell imports its checkers itself: a name defined in an editable cell could be redefined.
+CHECKERS = ("cases", "check_backward", "check_function", "guard")
+CHECKER_IMPORT = re.compile(r"^from gptlab\.grading import (.+)$", re.M)
 STATEMENT = re.compile(r"^\*\*(\d+)\.", re.M)  # an exercise statement: "**3. Title.**"
 DOTTED = re.compile(r"^\*\*(Exercise )?\d+\.\d+|^# @title Solution to exercise \d+\.\d", re.M)
 MARKERS = ("### BEGIN SOLUTION", "### END SOLUTION")
@@ -78,6 +87,8 @@ def _classify(nb) -> list[tuple[int, str, int, int]]:
             found.append((index, "answer", int(match.group(1)), 0))
         elif match := CODE_SOLUTION.match(first):
             found.append((index, "solution", int(match.group(1)), 0))
+        elif match := GIVEN.match(first):
+            found.append((index, "given", int(match.group(1)), 0))
     return found
 
 
@@ -90,8 +101,10 @@ def expected_metadata(nb) -> dict[int, dict]:
         grade_id = base if seen[base] == 1 else f"{base}_{seen[base]}"
         # nbgrader wants a markdown solution cell to be a grade cell too: a written answer,
         # graded by hand, worth 0 points unless an instructor gives it some
-        expected[index] = _nbgrader(grade_id, solution=kind != "grade",
+        expected[index] = _nbgrader(grade_id, solution=kind not in ("grade", "given"),
                                     grade=kind in ("grade", "written"), points=points)
+        if kind == "given":  # read-only: put back as released when grading
+            expected[index]["locked"] = True
     return expected
 
 
@@ -109,6 +122,12 @@ def problems(nb) -> list[str]:
                 result.append(f"cell {index}: grading cell for exercise {exercise} has no hidden tests")
             if ("answer", exercise) not in kinds:
                 result.append(f"cell {index}: grading cell for exercise {exercise} has no answer cell")
+            imported = {name.strip() for line in CHECKER_IMPORT.findall(source)
+                        for name in line.split(",")}
+            used = {name for name in CHECKERS if re.search(rf"\b{name}\(", source)}
+            if used - imported:
+                result.append(f"cell {index}: grading cell for exercise {exercise} does not import "
+                              f"{', '.join(sorted(used - imported))} from gptlab.grading itself")
             if points <= 0:
                 result.append(f"cell {index}: grading cell for exercise {exercise} gives no points")
         if kind == "answer" and not all(marker in source for marker in MARKERS):
