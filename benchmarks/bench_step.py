@@ -131,9 +131,9 @@ def compile_unavailable(device: str, no_compile: bool) -> str | None:
     return None
 
 
-def matmul_peak(n: int, device: str, repeats: int = 5) -> float:
-    """The machine's float32 matmul rate in FLOP/s: the median time of an (n, n) @ (n, n)."""
-    a, b = (torch.randn(n, n, device=device) for _ in range(2))
+def matmul_peak(n: int, device: str, repeats: int = 5, dtype=torch.float32) -> float:
+    """The machine's matmul rate in ``dtype`` in FLOP/s: the median time of an (n, n) @ (n, n)."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
 
     def mm():
         return a @ b
@@ -153,16 +153,22 @@ def ratio_quartiles(a: list, b: list) -> tuple[float, float, float]:
     return tuple(statistics.quantiles([x / y for x, y in zip(a, b)], n=4, method="inclusive"))
 
 
+def size_inputs(size: dict, device: str) -> tuple:
+    """(params, idx, targets, cfg) of one of SIZES: float32 weights, a random batch, seed 1337."""
+    cfg = GPTConfig(n_layer=size["n_layer"], n_head=size["n_head"], n_embd=size["n_embd"],
+                    vocab_size=VOCAB, block_size=size["block_size"], gelu="erf", bias=False)
+    params = init_params(cfg, seed=1337, backend="torch", dtype="float32", device=device)
+    gen = torch.Generator().manual_seed(1337)
+    idx, targets = (torch.randint(0, VOCAB, (size["batch"], size["block_size"]),
+                                  generator=gen).to(device) for _ in range(2))
+    return params, idx, targets, cfg
+
+
 def measure_size(name: str, size: dict, args) -> dict:
     """Time, ratios, peak memory and FLOP/s of every contender at one size."""
     torch.set_num_threads(size["threads"])
-    cfg = GPTConfig(n_layer=size["n_layer"], n_head=size["n_head"], n_embd=size["n_embd"],
-                    vocab_size=VOCAB, block_size=size["block_size"], gelu="erf", bias=False)
-    params = init_params(cfg, seed=1337, backend="torch", dtype="float32", device=args.device)
-    gen = torch.Generator().manual_seed(1337)
-    idx, targets = (torch.randint(0, VOCAB, (size["batch"], size["block_size"]),
-                                  generator=gen).to(args.device) for _ in range(2))
-    inputs = (params, idx, targets, cfg)
+    inputs = size_inputs(size, args.device)
+    idx = inputs[1]
     steps, skipped, losses = {}, {}, {}
     for contender, step in contenders(compile_unavailable(args.device, args.no_compile)).items():
         try:
