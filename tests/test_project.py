@@ -233,3 +233,56 @@ def test_extras_are_pinned_in_requirements():
         wanted += [req for req in extra if not req.startswith("gptlab[")]
     names = {re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("_", "-") for req in wanted}
     assert sorted(names - pins.keys()) == []
+
+
+# --- tools/book_weight.py: lighter pages, the same look ---------------------------------------
+
+def test_figures_become_palette_pngs_only_where_they_look_the_same():
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from PIL import Image
+
+    tool = _tool("book_weight")
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot(np.sin(np.linspace(0, 6, 200)), label="sin")
+    ax.imshow(np.linspace(0, 1, 64 * 64).reshape(64, 64), cmap="RdBu", extent=(150, 190, -1, 1), aspect="auto")
+    ax.legend()
+    plot = io.BytesIO()
+    fig.savefig(plot, format="png", dpi=100)
+    plt.close(fig)
+    lighter = tool.palette_png(plot.getvalue())
+    assert lighter is not None and len(lighter) < len(plot.getvalue())
+    before = np.asarray(Image.open(plot).convert("RGB"), dtype=int)
+    palette = Image.open(io.BytesIO(lighter))
+    after = np.asarray(palette.convert("RGB"), dtype=int)
+    assert palette.mode == "P" and np.abs(before - after).mean() < tool.MAX_MEAN_ERROR
+
+    noise = np.random.default_rng(0).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)  # 4,000 colours
+    photo = io.BytesIO()
+    Image.fromarray(noise).save(photo, format="PNG")
+    assert tool.palette_png(photo.getvalue()) is None, "a palette cannot hold this image faithfully"
+    seethrough = io.BytesIO()
+    Image.new("RGBA", (8, 8), (255, 0, 0, 128)).save(seethrough, format="PNG")
+    assert tool.palette_png(seethrough.getvalue()) is None, "transparency is kept as it is"
+
+
+def test_theme_stylesheet_keeps_every_rule_a_page_can_use():
+    tool = _tool("book_weight")
+    css = (
+        ':root{--x:1}.used{a:1}.unused{b:2}.unused:hover,.unused2{c:3}.used:hover,.unused{d:4}'
+        ".unused .used{e:5}a.unused{f:6}.unused:not(.used){g:7}"
+        "@media (min-width:1px){.unused{h:8}}@media (min-width:2px){.used{i:9}}"
+        '.fa-bars:before,.fa-navicon:before{content:"\\f0c9"}.fa-sun:before{content:"\\f185"}'
+    )
+    kept = tool.drop_unused_rules(css, {"used", "fa-bars"})
+    for rule in (":root{--x:1}", ".used{a:1}", ".used:hover,.unused{d:4}", ".unused .used{e:5}", "a.unused{f:6}",
+                 "@media (min-width:2px){.used{i:9}}", ".fa-bars:before,.fa-navicon:before"):
+        assert rule in kept, f"dropped a rule a page can use: {rule}"
+    for rule in (".unused{b:2}", ".unused2{c:3}", ".unused:not(.used){g:7}", "min-width:1px", ".fa-sun"):
+        assert rule not in kept, f"kept a rule no page can use: {rule}"
+    assert [tool._css_character(c) for c in tool.ICON_RULE.findall(kept)] == [0xF0C9]

@@ -82,10 +82,9 @@ def _describe_animation_frames(app, doctree, docname):
 
 
 def _on_page(app, pagename, templatename, context, doctree):
-    if "body" not in context:
-        return
-    body = THEBE_CONFIG.sub("", strip_cdn_font_awesome(context["body"]))
-    context["body"] = body
+    body = context.get("body", "")  # none on the pages Sphinx writes from templates (search, index)
+    if body:
+        body = context["body"] = THEBE_CONFIG.sub("", strip_cdn_font_awesome(body))
     manager_files = {f"_static/{path}" for path in app.config.nb_ipywidgets_js}  # as add_js_file stores them
     shows_widgets = WIDGET_VIEW in body
     context["script_files"] = [
