@@ -96,3 +96,24 @@ def test_a_notebook_without_a_title_is_refused():
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("## No title")])
     with pytest.raises(ValueError, match="untitled.ipynb: no markdown cell"):
         _slides_tool().deck(nb, "untitled.ipynb")
+
+
+def test_citations_read_as_the_book_prints_them():
+    """{cite} and {cite:t} in the book's author-year style, never as raw bibliography keys."""
+    slides = _slides_tool()
+    text = "LayerNorm {cite}`ba2016layer, kingma2015adam`; as {cite:t}`xiong2020layer` found; {cite}`gpt3card`"
+    assert slides.plain(text, {}) == (
+        "LayerNorm [Ba et al., 2016, Kingma and Ba, 2015]; as Xiong et al. [2020] found; [GPT-3 (summary card), n.d.]")
+    with pytest.raises(KeyError, match="nosuchkey2024"):
+        slides.plain("{cite}`nosuchkey2024`", {})
+
+
+def test_no_deck_shows_a_raw_role():
+    """Across every chapter's slide text: no MyST role and no bibliography key is left raw."""
+    slides = _slides_tool()
+    keys = set(slides.citations())
+    for chapter in slides.chapters():
+        nb = nbformat.read(chapter, as_version=4)
+        shown = "\n".join(cell.source for cell in slides.deck(nb, chapter.stem).cells if cell.cell_type == "markdown")
+        assert not re.search(r"\{[\w:]+\}`", shown), f"{chapter.name}: a raw MyST role on a slide"
+        assert not keys & set(re.findall(r"\w+", shown)), f"{chapter.name}: a bibliography key on a slide"

@@ -15,6 +15,7 @@ next to it (tools/vendor_js.sh), by relative URLs; figures are embedded as data 
 """
 
 import argparse
+import functools
 import json
 import re
 import shutil
@@ -25,6 +26,8 @@ import nbformat
 import yaml
 from jinja2 import DictLoader
 from nbconvert import SlidesExporter
+from pybtex.database import parse_file
+from pybtex.richtext import Text
 
 from gptlab import course
 
@@ -36,7 +39,7 @@ NO_SLIDE = {"Exercises"}  # sections left out of a deck: a deck is for the lectu
 SECTION = re.compile(r"^## +(.+)$", re.M)
 TITLE = re.compile(r"\A# +(.+)$", re.M)
 EQUATION = re.compile(r"\$\$(.+?)\$\$[ \t]*\((eq-[\w-]+)\)", re.S)
-ROLE = re.compile(r"\{(\w+)\}`([^`]*)`")
+ROLE = re.compile(r"\{([\w:]+)\}`([^`]*)`")
 SENTENCE_END = re.compile(r"(?<=[.!?:])\s+(?=[A-Z$*_`(])")
 NOT_PROSE = ("$$", "#", "- ", "* ", "1. ", "<", "|", "```", ":::")
 KEY_CHARS = 300  # the key sentences: the first one, and the next while they stay this short
@@ -131,14 +134,37 @@ def key_sentences(text: str) -> str:
     return ""
 
 
+@functools.cache
+def citations() -> dict[str, tuple[str, str]]:
+    """Each key of references.bib as the book's author-year style names it: ("Ba et al.", "2016").
+
+    One author by surname, two joined by "and", more as "First et al."; an entry without
+    authors by its title; "n.d." without a year."""
+    labels = {}
+    for key, entry in parse_file(ROOT / "references.bib").entries.items():
+        surnames = [Text.from_latex(" ".join(person.last_names)).render_as("text") for person in entry.persons.get("author", [])]
+        if len(surnames) > 2:
+            who = f"{surnames[0]} et al."
+        elif surnames:
+            who = " and ".join(surnames)
+        else:
+            who = Text.from_latex(entry.fields["title"]).render_as("text")
+        labels[key] = (who, entry.fields.get("year", "n.d."))
+    return labels
+
+
 def plain(text: str, numbers: dict[str, int]) -> str:
-    """MyST roles as text a slide shows: {eq} as its number, {cite} as [keys], others as is."""
+    """MyST roles as text a slide shows: {eq} as its number, {cite} as [Author et al., year]
+    ({cite:t} as Author et al. [year]), others as is."""
     def replace(match):
         role, content = match.groups()
         if role == "eq":
             return f"({numbers[content]})" if content in numbers else content
-        if role == "cite":
-            return "[" + ", ".join(key.strip() for key in content.split(",")) + "]"
+        if role.startswith("cite"):
+            cited = [citations()[key.strip()] for key in content.split(",")]
+            if role == "cite:t":
+                return ", ".join(f"{who} [{year}]" for who, year in cited)
+            return "[" + ", ".join(f"{who}, {year}" for who, year in cited) + "]"
         if role == "numref":
             return "the figure"
         return re.sub(r"\s*<[^>]*>$", "", content)  # {ref}`text <label>` -> text
