@@ -126,6 +126,30 @@ def _said(records, level=logging.WARNING) -> list[str]:
     return [_one_line(record.getMessage()) for record in records if record.levelno >= level]
 
 
+def _autograde_without_output_widgets():
+    """nbgrader's Autograde, executing without nbclient's copy of ipywidgets' Output widget.
+
+    To keep an Output widget's state, nbclient sends comm messages on the kernel's shell channel
+    while it waits on that channel for the cell's reply; now and then the reply is missed and the
+    cell waits out its whole timeout (nbclient issue #312: here about one chapter in ten whose
+    explorer uses `interactive_output`). No one sees a widget in the autograder, so its outputs
+    stay with the cell, as they would without ipywidgets."""
+    from nbgrader.converters import Autograde
+    from nbgrader.preprocessors import Execute
+
+    class ExecuteWithoutOutputWidgets(Execute):
+        def on_comm_open_jupyter_widget(self, msg):
+            return None
+
+    class AutogradeWithoutOutputWidgets(Autograde):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.autograde_preprocessors = [ExecuteWithoutOutputWidgets if step is Execute else step
+                                            for step in self.autograde_preprocessors]
+
+    return AutogradeWithoutOutputWidgets
+
+
 class _Course:
     """A temporary nbgrader course directory: ``root/source/<chapter>/<chapter>.ipynb`` (with the
     data the chapter reads), ``release/``, ``submitted/``, ``autograded/``, ``gradebook.db``."""
@@ -198,9 +222,7 @@ class _Course:
         """``nbgrader autograde`` of one submission (already under submitted/); return what
         nbgrader reported about it, less the expected notice that grading cells with hidden
         tests differ from the student version."""
-        from nbgrader.converters import Autograde
-
-        records = self._run(Autograde, chapter, student)
+        records = self._run(_autograde_without_output_widgets(), chapter, student)
         released = {_nbgrader(cell).get("grade_id"): _nbgrader(cell).get("checksum") for cell in
                     _read(self.path(self.coursedir.release_directory, ".", chapter)).cells}
         notes = []
