@@ -41,6 +41,7 @@ UNGRADED_STUB = ("# YOUR CODE HERE\nraise NotImplementedError()",
                  "# YOUR CODE HERE (an exercise without points: no grading cell checks it)")
 STUDENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+-]*$")  # no glob characters: nbgrader globs
 CHECKERS = ("check_backward", "check_function")
+SOLUTION = ("### BEGIN SOLUTION", "### END SOLUTION")  # nbgrader's markers of an answer
 HIDDEN = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")
 STATEMENT = re.compile(r"^\*\*(\d+)\.\s*(.+?)\*\*", re.M)  # "**3. Title.**" starts an exercise
 
@@ -126,20 +127,27 @@ def _said(records, level=logging.WARNING) -> list[str]:
     return [_one_line(record.getMessage()) for record in records if record.levelno >= level]
 
 
-def _autograde_without_output_widgets():
-    """nbgrader's Autograde, executing without nbclient's copy of ipywidgets' Output widget.
+class WithoutOutputWidgets:
+    """Mixin for an nbclient NotebookClient (or nbgrader's Execute): no copy of ipywidgets'
+    Output widget.
 
     To keep an Output widget's state, nbclient sends comm messages on the kernel's shell channel
     while it waits on that channel for the cell's reply; now and then the reply is missed and the
     cell waits out its whole timeout (nbclient issue #312: here about one chapter in ten whose
-    explorer uses `interactive_output`). No one sees a widget in the autograder, so its outputs
-    stay with the cell, as they would without ipywidgets."""
+    explorer uses `interactive_output`). Where no one sees the widget (the autograder, a timing
+    run) its outputs stay with the cell, as they would without ipywidgets."""
+
+    def on_comm_open_jupyter_widget(self, msg):
+        return None
+
+
+def _autograde_without_output_widgets():
+    """nbgrader's Autograde, executing cells with `WithoutOutputWidgets`."""
     from nbgrader.converters import Autograde
     from nbgrader.preprocessors import Execute
 
-    class ExecuteWithoutOutputWidgets(Execute):
-        def on_comm_open_jupyter_widget(self, msg):
-            return None
+    class ExecuteWithoutOutputWidgets(WithoutOutputWidgets, Execute):
+        pass
 
     class AutogradeWithoutOutputWidgets(Autograde):
         def __init__(self, **kwargs):
