@@ -20,7 +20,7 @@ from gptlab.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "course" / "01_fixture.ipynb"
 CHAPTER_8 = ROOT / "book" / "08_layernorm_gelu_mlp_backward.ipynb"
-MARKERS = {"solution": ("### BEGIN SOLUTION", "### END SOLUTION"), "hidden": course.HIDDEN}
+MARKERS = {"solution": course.SOLUTION, "hidden": course.HIDDEN}
 
 # Planted mistakes in the fixture's answers: exercise -> (model-answer line, wrong line).
 # Exercise 1 drops RMSNorm's path through the root mean square; exercise 2 forgets to subtract

@@ -54,8 +54,6 @@ CHECKERS = ("cases", "check_backward", "check_function", "guard")
 CHECKER_IMPORT = re.compile(r"^from gptlab\.grading import (.+)$", re.M)
 STATEMENT = re.compile(r"^\*\*(\d+)\.", re.M)  # an exercise statement: "**3. Title.**"
 DOTTED = re.compile(r"^\*\*(Exercise )?\d+\.\d+|^# @title Solution to exercise \d+\.\d", re.M)
-MARKERS = ("### BEGIN SOLUTION", "### END SOLUTION")
-HIDDEN = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")
 
 
 def chapters() -> list[Path]:
@@ -118,7 +116,7 @@ def problems(nb) -> list[str]:
     for index, kind, exercise, points in found:
         source = nb.cells[index].source
         if kind == "grade":
-            if not all(marker in source for marker in HIDDEN):
+            if not all(marker in source for marker in course.HIDDEN):
                 result.append(f"cell {index}: grading cell for exercise {exercise} has no hidden tests")
             if ("answer", exercise) not in kinds:
                 result.append(f"cell {index}: grading cell for exercise {exercise} has no answer cell")
@@ -130,14 +128,14 @@ def problems(nb) -> list[str]:
                               f"{', '.join(sorted(used - imported))} from gptlab.grading itself")
             if points <= 0:
                 result.append(f"cell {index}: grading cell for exercise {exercise} gives no points")
-        if kind == "answer" and not all(marker in source for marker in MARKERS):
+        if kind == "answer" and not all(marker in source for marker in course.SOLUTION):
             result.append(f"cell {index}: answer cell for exercise {exercise} has no solution markers")
     for index, cell in enumerate(nb.cells):
         if DOTTED.search(cell.source.split("\n", 1)[0] if cell.cell_type == "code" else cell.source):
             result.append(f"cell {index}: an exercise numbered like 5.3: number them 1, 2, ...")
     answers = {index for index, kind, _, _ in found if kind == "answer"}
     for index, cell in enumerate(nb.cells):
-        if index not in answers and MARKERS[0] in cell.source:
+        if index not in answers and course.SOLUTION[0] in cell.source:
             result.append(f"cell {index}: solution markers outside an answer cell")
     return result
 
