@@ -11,17 +11,21 @@ from pathlib import Path
 import numpy as np
 
 
-def machine_info(note: str, **versions: str) -> dict:
-    """CPU, cores, load, Python and NumPy versions, ``versions`` (library -> version) and ``note``."""
-    cpu = platform.processor() or "unknown"
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (platform.processor() elsewhere)."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def machine_info(note: str, **versions: str) -> dict:
+    """CPU, cores, load, Python and NumPy versions, ``versions`` (library -> version) and ``note``."""
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "load_average_1min_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,

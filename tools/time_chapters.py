@@ -29,6 +29,9 @@ from nbclient import NotebookClient
 from gptlab import course
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from machine import cpu_model  # noqa: E402  (benchmarks/machine.py: what a run ran on)
+
 OUT = ROOT / "book" / "chapter_times.json"
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
@@ -36,16 +39,6 @@ THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS
 def chapters() -> list[Path]:
     """The numbered chapters and the capstone project (gptlab.course's list)."""
     return course.chapters(ROOT / "book")
-
-
-def cpu_model() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it (platform.processor() elsewhere)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def load_average() -> list[float]:
