@@ -146,5 +146,7 @@ def _lighten(app, exception):
 
 
 def setup(app):
-    app.connect("build-finished", _lighten)
+    # After book_offline has taken the scripts that no page uses out of the pages: the names of
+    # Font Awesome's script would otherwise keep every icon.
+    app.connect("build-finished", _lighten, priority=900)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
