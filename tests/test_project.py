@@ -143,6 +143,32 @@ def test_toc_follows_the_chapter_plan():
     assert "```{bibliography}" in (ROOT / "book" / "references.md").read_text()
 
 
+def _notebook_title(entry: str) -> str:
+    """'3 Attention, forward' from the first heading '# 3. Attention, forward' of a notebook."""
+    nb = nbformat.read(ROOT / f"{entry}.ipynb", as_version=4)
+    heading = next(line for cell in nb.cells if cell.cell_type == "markdown"
+                   for line in cell.source.splitlines() if line.startswith("# "))
+    return re.sub(r"^(\d+)\. ", r"\1 ", heading[2:].strip())
+
+
+def test_preface_chapter_table_follows_the_toc():
+    """The preface's table of parts and chapters is _toc.yml's, in order, with each chapter's own
+    title: it cannot fall behind when a chapter or a part is added."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    expected = []  # (part caption on the part's first row only, chapter title)
+    for part in toc["parts"]:
+        caption = re.sub(r"^Part ([IVX]+): ", r"\1. ", part["caption"])
+        titles = [_notebook_title(c["file"]) for c in part["chapters"]
+                  if c["file"] not in ("book/00_preface", "book/references")]
+        expected += [(caption if i == 0 else "", title) for i, title in enumerate(titles)]
+    preface = nbformat.read(ROOT / "book" / "00_preface.ipynb", as_version=4)
+    table = next(cell.source for cell in preface.cells if "| part | chapter |" in cell.source)
+    rows = [[col.strip() for col in line.strip("|").split("|")]
+            for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    shown = [(part.strip("*"), chapter) for part, chapter, _ in rows]
+    assert shown == expected, "the preface's chapter table differs from _toc.yml"
+
+
 # --- Chapters read the same in JupyterLab, Colab and the HTML book ---------------------------
 
 def _code_cells(path):
