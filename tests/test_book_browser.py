@@ -155,6 +155,17 @@ def test_book_builds_without_warnings(book):
     assert not problems, f"{len(problems)} build warning(s):\n" + "\n".join(problems)
 
 
+def test_bibliography_labels_read_as_the_citations(book):
+    """The references page labels its entries as the chapters cite them, "Ba et al., 2016"
+    (tools/book_bibliography.py), not with pybtex's alpha labels "BKH16"."""
+    page = parse_html((book.html / "book" / "references.html").read_text())
+    labels = [node.text().strip().strip("[]") for node in page.find_all("span", cls="label")]
+    assert len(labels) > 50, f"the references page shows {len(labels)} labelled entries"
+    not_author_year = [label for label in labels if not re.search(r", (\d{4}[a-z]?|n\.d\.)$", label)]
+    assert not not_author_year, f"labels that are not author-year: {not_author_year[:5]}"
+    assert {"Ba et al., 2016", "Vaswani et al., 2017", "Kingma and Ba, 2015"} <= set(labels)
+
+
 # --------------------------------------------------------------------------------------------
 # A small DOM for the serialized page
 

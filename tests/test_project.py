@@ -312,3 +312,14 @@ def test_theme_stylesheet_keeps_every_rule_a_page_can_use():
     for rule in (".unused{b:2}", ".unused2{c:3}", ".unused:not(.used){g:7}", "min-width:1px", ".fa-sun"):
         assert rule not in kept, f"kept a rule no page can use: {rule}"
     assert [tool._css_character(c) for c in tool.ICON_RULE.findall(kept)] == [0xF0C9]
+
+
+def test_cjk_font_covers_every_cjk_character_of_the_book():
+    """_vendor/fonts/noto-sans-cjk-book.woff holds every Chinese or Japanese character the book
+    shows: a page that gains one the subset lacks fails here (run tools/cjk_font.py again)."""
+    from fontTools.ttLib import TTFont
+
+    font = TTFont(ROOT / "_vendor" / "fonts" / "noto-sans-cjk-book.woff")
+    covered = {chr(code) for code in font.getBestCmap()}
+    missing = _tool("cjk_font").book_characters() - covered
+    assert not missing, f"characters missing from the CJK subset: {''.join(sorted(missing))}"

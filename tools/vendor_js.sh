@@ -95,6 +95,8 @@ chmod 644 "$VENDOR"/reveal.js/$FONT/*  # the package ships them as rwx------
   echo "the widget manager (which calls the MathJax 2 API) typeset widget labels with MathJax 3."
   echo "\`book.css\` (the page layout: a column wide enough for 100 columns of code) and"
   echo "\`favicon.svg\` are ours too, and left alone as well."
+  echo "\`fonts/noto-sans-cjk-book.woff\` is a subset of Noto Sans CJK SC (SIL OFL 1.1,"
+  echo "\`fonts/LICENSE-noto-cjk.txt\`) with the CJK characters the book shows, cut by \`tools/cjk_font.py\`."
   echo
   echo "\`reveal.js/\` is not used by the HTML book (Sphinx copies it to \`_static/\`, where no page loads"
   echo "it): \`tools/slides.py\` copies it and \`mathjax/\` next to the per-chapter slide decks it writes"
