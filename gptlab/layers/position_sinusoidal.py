@@ -14,6 +14,7 @@ import math
 
 from ..backend import array_device, array_namespace
 from ..checks import require_float, require_int
+from .sdpa import _broadcast
 
 
 def _frequencies(C: int, base: float, xp, dtype, device):
@@ -55,10 +56,10 @@ def position_sinusoidal_forward(x, *, base: float = 10000.0, positions=None):
         y = x + sinusoidal_encoding(T, C, base=base, like=x)  # (B, T, C)
         return y, ()
     require_int("positions", positions)
-    y = x + _encoding(xp.astype(positions, x.dtype), C, base)  # (B, T, C)
-    if tuple(y.shape) != tuple(x.shape):
+    if _broadcast([positions.shape, x.shape[:-1]]) != tuple(x.shape[:-1]):
         raise ValueError(f"positions has shape {tuple(positions.shape)}, which does not "
                          f"broadcast to x's (B, T) = {tuple(x.shape[:-1])}")  # fmt: skip
+    y = x + _encoding(xp.astype(positions, x.dtype), C, base)  # (B, T, C)
     return y, ()
 
 
