@@ -211,14 +211,14 @@ def _check_inputs(q, k, v, mask) -> None:
     dtypes, causal). TypeError for dtypes, ValueError for shapes; the messages name the argument."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         require_float(name, a)
-        if len(a.shape) < 3:
+        if len(a.shape) < 3 or len(a.shape) != len(q.shape):
             heads = "NH" if name == "q" else "NKV"
             raise ValueError(f"{name} must have shape (B, {heads}, T, hs), got {tuple(a.shape)}")
     (*B, NH, Tq, _), (NKV, Tk) = q.shape, k.shape[-3:-1]
-    B = tuple(B)
     for name, a in (("k", k), ("v", v)):
-        if tuple(a.shape[:-3]) != B:
-            raise ValueError(f"{name} has batch size {tuple(a.shape[:-3])} but q has {B}")
+        if list(a.shape[:-3]) != B:
+            batch = ", ".join(map(str, a.shape[:-3]))
+            raise ValueError(f"{name} has batch size {batch} but q has {', '.join(map(str, B))}")
     if v.shape[-3] != NKV:
         raise ValueError(f"v has {v.shape[-3]} heads but k has {NKV}: they are the same heads")
     if NKV == 0 or NH % NKV != 0:
