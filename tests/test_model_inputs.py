@@ -11,6 +11,7 @@ from gptlab import GPTConfig, gpt_backward, gpt_forward
 from gptlab.backend import convert, to_numpy
 from gptlab.data_pipeline.packing import document_ids, document_positions
 from gptlab.gradcheck import MODEL_EPS, check_layer
+from gptlab.interop import to_hf_llama_config
 from gptlab.layers.cross_entropy import cross_entropy_forward
 from gptlab.model import document_mask, packed_inputs
 from gptlab.reference.torch_gpt import reference_forward
@@ -274,3 +275,10 @@ def test_cross_entropy_of_the_packed_batch_is_the_token_mean():
     logits, loss, _ = gpt_forward(params, idx, cfg, targets, documents=ids)
     assert abs(float(loss) - float(cross_entropy_forward(logits, targets)[0])) < 1e-14
     assert abs(float(loss) - token_losses(logits, targets).mean()) < 1e-12
+
+
+def test_hugging_face_llama_refuses_adjacent_pairing():
+    """Hugging Face's LLaMA pairs rotate_half: an adjacent model is not written as one."""
+    assert to_hf_llama_config(ROPE)["num_key_value_heads"] == 2
+    with pytest.raises(ValueError, match="cannot express rope_pairing='adjacent'"):
+        to_hf_llama_config(GPTConfig(**{**ROPE.to_dict(), "rope_pairing": "adjacent"}))
