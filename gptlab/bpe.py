@@ -77,8 +77,8 @@ def bytes_to_unicode() -> dict[int, str]:
 
 BYTE_TO_CHAR = bytes_to_unicode()
 CHAR_TO_BYTE = {ch: b for b, ch in BYTE_TO_CHAR.items()}
-TO_LATIN1 = str.maketrans({ch: chr(b) for ch, b in CHAR_TO_BYTE.items()})  # then .encode("latin-1")
-FROM_LATIN1 = str.maketrans({chr(b): ch for b, ch in BYTE_TO_CHAR.items()})  # after .decode("latin-1")
+TO_LATIN1 = str.maketrans({ch: chr(b) for ch, b in CHAR_TO_BYTE.items()})  # then encode latin-1
+FROM_LATIN1 = str.maketrans({chr(b): ch for b, ch in BYTE_TO_CHAR.items()})  # after decoding it
 
 
 def token_bytes(token: str) -> bytes:

@@ -10,10 +10,10 @@ Hugging Face GPT-2 state dict maps onto it by renaming alone (see ``gptlab.inter
 
 Packed documents (several short documents in one row, Brown et al. 2020, Appendix B) are an
 input of their own: ``documents`` (B, T) says which document each token belongs to. Attention
-then never crosses documents (``document_mask``, the block-diagonal causal mask) and positions
-restart at 0 with every document (``document_positions``), so each document gets the logits it
-would get alone. ``positions`` (B, T) sets the position of every token directly (wpe[positions],
-the sinusoidal encoding or RoPE at those positions).
+then never crosses documents (``same_document_mask``, the block-diagonal causal mask) and
+positions restart at 0 with every document (``positions_in_documents``), so each document gets
+the logits it would get alone. ``positions`` (B, T) sets the position of every token directly
+(wpe[positions], the sinusoidal encoding or RoPE at those positions).
 
 A LLaMA-style config (``GPTConfig.llama``) changes the parts, not the plan: no position is added
 (RoPE turns q and k inside every attention), the blocks and LN_f use RMSNorm, SwiGLU and
@@ -214,9 +214,9 @@ def packed_inputs(idx, cfg: GPTConfig, positions=None, documents=None):
     if documents is not None:
         require_int("documents", documents)
         require_shape("documents", documents, tuple(idx.shape))
-        mask = document_mask(documents)  # (B, T, T)
+        mask = same_document_mask(documents)  # (B, T, T)
         if positions is None:
-            positions = document_positions(mask)  # (B, T)
+            positions = positions_in_documents(mask)  # (B, T)
     elif positions is not None:
         require_int("positions", positions)
         require_shape("positions", positions, tuple(idx.shape))
@@ -229,7 +229,7 @@ def packed_inputs(idx, cfg: GPTConfig, positions=None, documents=None):
     return mask, positions
 
 
-def document_mask(documents):
+def same_document_mask(documents):
     """documents (B, T) int, the document of each token -> (B, T, T) bool, True where query t may
     see key i: i <= t and the same document (the block-diagonal causal mask)."""
     xp = array_namespace(documents)
@@ -240,9 +240,9 @@ def document_mask(documents):
     return xp.logical_and(same, causal)  # (B, T, T)
 
 
-def document_positions(mask):
-    """mask (B, T, T) of ``document_mask`` -> positions (B, T): how many earlier tokens of its own
-    document each token sees, i.e. 0 at every document's first token, then 1, 2, ..."""
+def positions_in_documents(mask):
+    """mask (B, T, T) of ``same_document_mask`` -> positions (B, T): how many earlier tokens of
+    its own document each token sees, i.e. 0 at every document's first token, then 1, 2, ..."""
     xp = array_namespace(mask)
     return xp.sum(xp.astype(mask, xp.int64), axis=-1) - 1  # (B, T)
 
@@ -430,5 +430,5 @@ __all__ = [
     "GPTConfig", "param_shapes", "count_params", "init_params", "block_params", "block_options",
     "head_weight", "check_params", "gpt_forward", "gpt_backward", "loss_and_grads",
     "embed_forward", "layer_forward", "head_forward", "backward_parts", "recompute_block",
-    "cache_bytes", "packed_inputs", "document_mask", "document_positions",
+    "cache_bytes", "packed_inputs", "same_document_mask", "positions_in_documents",
 ]  # fmt: skip

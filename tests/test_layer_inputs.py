@@ -16,7 +16,7 @@ from gptlab.layers.position_sinusoidal import (
     position_sinusoidal_forward,
 )
 from gptlab.layers.rope import rope_backward, rope_forward
-from gptlab.model import document_mask
+from gptlab.model import positions_in_documents, same_document_mask
 
 ORACLES = ("finite_differences", "autograd")
 C, NH = 8, 2
@@ -86,6 +86,8 @@ def test_block_leading_dims_gradcheck(shape, name, oracle):
 
 
 DOCUMENTS = np.array([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1], [0, 1, 2, 3, 3, 3]])  # (3, 6)
+MASK = same_document_mask(DOCUMENTS)  # (3, 6, 6)
+POSITIONS = positions_in_documents(MASK)  # (3, 6), restarting with each document
 
 
 def masked_block(x, p, mask, positions=None, **opts):
@@ -102,15 +104,10 @@ def rope_at(x, positions, **opts):
     return rope_forward(x, positions=positions, **opts)
 
 
-def within_documents(documents):
-    """The positions restarting with each document: (B, T)."""
-    return np.sum(document_mask(documents), axis=-1) - 1
-
-
 def test_attention_mask_keeps_documents_apart():
     """With the documents' mask each document's outputs are those of the document alone."""
     x = np.random.default_rng(5).normal(size=(3, 6, C))
-    y, _ = attention_forward(x, *attention_params(), n_head=NH, mask=document_mask(DOCUMENTS))
+    y, _ = attention_forward(x, *attention_params(), n_head=NH, mask=MASK)
     for b, row in enumerate(DOCUMENTS):
         for doc in np.unique(row):
             alone, _ = attention_forward(x[b : b + 1, row == doc], *attention_params(), n_head=NH)
@@ -122,8 +119,8 @@ def test_block_mask_and_positions_keep_documents_apart(name):
     opts = BLOCKS[name]
     x = np.random.default_rng(6).normal(size=(3, 6, C))
     p = block_params(opts)
-    rope = {"positions": within_documents(DOCUMENTS)} if "rope_base" in opts else {}
-    y, _ = block_forward(x, p, **opts, mask=document_mask(DOCUMENTS), **rope)
+    rope = {"positions": POSITIONS} if "rope_base" in opts else {}
+    y, _ = block_forward(x, p, **opts, mask=MASK, **rope)
     for b, row in enumerate(DOCUMENTS):
         for doc in np.unique(row):
             alone, _ = block_forward(x[b : b + 1, row == doc], p, **opts)
@@ -135,8 +132,8 @@ def test_block_mask_and_positions_keep_documents_apart(name):
 def test_block_with_mask_and_positions_gradcheck(name, oracle):
     opts = BLOCKS[name]
     x = np.random.default_rng(7).normal(size=(3, 6, C))
-    positions = (within_documents(DOCUMENTS),) if "rope_base" in opts else ()
-    check_layer(masked_block, block_backward, x, block_params(opts), document_mask(DOCUMENTS),
+    positions = (POSITIONS,) if "rope_base" in opts else ()
+    check_layer(masked_block, block_backward, x, block_params(opts), MASK,
                 *positions, oracle=oracle, **opts).assert_ok()  # fmt: skip
 
 
@@ -144,7 +141,7 @@ def test_block_with_mask_and_positions_gradcheck(name, oracle):
 def test_attention_with_mask_gradcheck(oracle):
     x = np.random.default_rng(8).normal(size=(3, 6, C))
     check_layer(masked_attention, attention_backward, x, *attention_params(),
-                document_mask(DOCUMENTS), oracle=oracle, n_head=NH).assert_ok()  # fmt: skip
+                MASK, oracle=oracle, n_head=NH).assert_ok()  # fmt: skip
 
 
 def test_rope_positions_equal_rows_at_those_positions():

@@ -13,7 +13,7 @@ from gptlab.data_pipeline.packing import document_ids, document_positions
 from gptlab.gradcheck import MODEL_EPS, check_layer
 from gptlab.interop import to_hf_llama_config
 from gptlab.layers.cross_entropy import cross_entropy_forward
-from gptlab.model import document_mask, packed_inputs
+from gptlab.model import packed_inputs, same_document_mask
 from gptlab.reference.torch_gpt import reference_forward
 
 ROPE = GPTConfig.llama(n_layer=2, n_head=4, n_embd=16, vocab_size=11, block_size=12, n_kv_head=2,
@@ -75,7 +75,8 @@ def test_adjacent_pairing_equals_rotate_half_with_permuted_weights(backend):
     def run(p, cfg):
         p = {name: convert(value, backend, dtype="float64") for name, value in p.items()}
         logits, loss, cache = gpt_forward(p, idx, cfg, targets)
-        return to_numpy(logits), float(loss), {n: to_numpy(g) for n, g in gpt_backward(cache).items()}
+        grads = {name: to_numpy(g) for name, g in gpt_backward(cache).items()}
+        return to_numpy(logits), float(loss), grads
 
     logits_a, loss_a, grads_a = run(params, adjacent)
     logits_r, loss_r, grads_r = run(permuted, ROPE)
@@ -231,7 +232,7 @@ def test_packing_gives_the_models_inputs():
     cfg = PACKED["gpt2-learned"]
     mask, implied = packed_inputs(rows, cfg, documents=ids)
     np.testing.assert_array_equal(implied, positions)
-    np.testing.assert_array_equal(mask, document_mask(ids))
+    np.testing.assert_array_equal(mask, same_document_mask(ids))
     params = random_params(cfg)
     a = gpt_forward(params, rows, cfg, documents=ids)[0]
     b = gpt_forward(params, rows, cfg, documents=ids, positions=positions)[0]
