@@ -7,7 +7,9 @@ import itertools
 
 import numpy as np
 import pytest
+from conftest import get_backend
 
+from gptlab.backend import to_numpy
 from gptlab.gradcheck import check_layer
 from gptlab.layers.attention import attention_backward, attention_forward
 from gptlab.layers.block import block_backward, block_forward, block_param_shapes
@@ -205,3 +207,23 @@ def test_block_refuses_positions_without_rope():
     with pytest.raises(ValueError, match="rope_base"):
         block_forward(np.zeros((1, 6, C)), block_params(BLOCKS["gpt2"]), n_head=NH,
                       positions=np.arange(6))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_block_with_documents_on_every_backend(backend, name):
+    """The block with a mask, positions and leading dims, forward and backward, on NumPy, torch
+    and array_api_strict on a second device: the same numbers."""
+    opts = BLOCKS[name]
+    rope = "rope_base" in opts
+    x = np.random.default_rng(12).normal(size=(1, 3, 6, C))  # (1, B, T, C)
+    dy = np.random.default_rng(13).normal(size=x.shape)
+
+    def run(convert):
+        extra = {"positions": convert(POSITIONS[None])} if rope else {}
+        y, cache = block_forward(convert(x), convert(block_params(opts)), **opts,
+                                 mask=convert(MASK[None]), **extra)  # fmt: skip
+        dx, dp = block_backward(convert(dy), cache)
+        return [to_numpy(y), to_numpy(dx), *(to_numpy(g) for g in dp.values())]
+
+    for got, want in zip(run(backend.convert), run(get_backend("numpy").convert)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)

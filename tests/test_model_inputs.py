@@ -283,3 +283,19 @@ def test_hugging_face_llama_refuses_adjacent_pairing():
     assert to_hf_llama_config(ROPE)["num_key_value_heads"] == 2
     with pytest.raises(ValueError, match="cannot express rope_pairing='adjacent'"):
         to_hf_llama_config(GPTConfig(**{**ROPE.to_dict(), "rope_pairing": "adjacent"}))
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_documents_on_every_backend(backend, name):
+    """Logits and gradients of a packed row on NumPy, torch and array_api_strict on a second
+    device are those of NumPy."""
+    cfg = PACKED[name]
+    params = random_params(cfg)
+    idx, ids = rows_of(np.arange(5) % 11, np.arange(4) % 11)
+    logits, _, cache = gpt_forward(backend.convert(params), backend.convert(idx), cfg,
+                                   backend.convert(idx), documents=backend.convert(ids))
+    want_logits, _, want_cache = gpt_forward(params, idx, cfg, idx, documents=ids)
+    np.testing.assert_allclose(to_numpy(logits), want_logits, rtol=0, atol=1e-12)
+    want = gpt_backward(want_cache)
+    for name, g in gpt_backward(cache).items():
+        np.testing.assert_allclose(to_numpy(g), want[name], rtol=0, atol=1e-12, err_msg=name)
