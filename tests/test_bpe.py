@@ -9,7 +9,7 @@ import json
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from gptlab.bpe import (BYTE_TO_CHAR, ENDOFTEXT, GPT2_PATTERN, ByteBPETokenizer, count_pairs,
@@ -168,6 +168,10 @@ def test_special_tokens_in_training_text_separate_documents():
 @fast(300)
 @given(text=assigned_text)
 def test_same_ids_as_hugging_face_for_any_text(tok, hf_tok, text):
+    # Hugging Face always reads "<|endoftext|>" in text as the special token; encode() reads it
+    # as ordinary text unless allowed (tokenizer_base's policy). Hypothesis draws the string from
+    # the constants of the modules loaded, which depend on what ran before in the process.
+    assume(ENDOFTEXT not in text)
     assert tok.encode(text) == hf_tok.encode(text).ids
 
 
