@@ -77,6 +77,18 @@ def bytes_to_unicode() -> dict[int, str]:
 
 BYTE_TO_CHAR = bytes_to_unicode()
 CHAR_TO_BYTE = {ch: b for b, ch in BYTE_TO_CHAR.items()}
+TO_LATIN1 = str.maketrans({ch: chr(b) for ch, b in CHAR_TO_BYTE.items()})  # then encode latin-1
+FROM_LATIN1 = str.maketrans({chr(b): ch for b, ch in BYTE_TO_CHAR.items()})  # after decoding it
+
+
+def token_bytes(token: str) -> bytes:
+    """A token in ``bytes_to_unicode`` characters -> its bytes ("Ġa" -> b" a")."""
+    return token.translate(TO_LATIN1).encode("latin-1")
+
+
+def token_string(data: bytes) -> str:
+    """Bytes -> the token in ``bytes_to_unicode`` characters (b" a" -> "Ġa")."""
+    return data.decode("latin-1").translate(FROM_LATIN1)
 
 
 def count_words(text: str, pattern: str, special_tokens: Collection[str]) -> Counter[str]:
@@ -206,7 +218,7 @@ class ByteBPETokenizer(Tokenizer):
         self._byte_ids = [self.vocab[BYTE_TO_CHAR[b]] for b in range(256)]
         self._id_to_bytes = [b""] * self.vocab_size
         for token, i in self.vocab.items():
-            self._id_to_bytes[i] = bytes(CHAR_TO_BYTE[ch] for ch in token)
+            self._id_to_bytes[i] = token_bytes(token)
         for token, i in self.special_tokens.items():
             self._id_to_bytes[i] = token.encode("utf-8")
         pairs = [(self.vocab[a], self.vocab[b]) for a, b in self.merges]
@@ -216,20 +228,16 @@ class ByteBPETokenizer(Tokenizer):
 
     def _check_vocab(self) -> None:
         """ValueError unless the ids are 0..V-1, the tokens are byte strings that include every
-        single byte, the special tokens are non-empty, every merge is known and every other
-        token is made by a merge."""
+        single byte, the special tokens are non-empty and every merge uses and makes tokens of
+        the vocabulary. A token that no merge makes is allowed: only its id reaches it (GPT-2's
+        vocab.json lists ``<|endoftext|>`` so). Each check is one pass over sets, at C speed;
+        only a failed one looks for the culprit to name."""
         ids = [*self.vocab.values(), *self.special_tokens.values()]
-        not_int = [i for i in ids if type(i) is not int]
-        out_of_range = [i for i in ids if type(i) is int and not 0 <= i < len(ids)]
-        twice = [i for i, n in Counter(ids).items() if n > 1]
-        if not_int or out_of_range or twice:  # else, with V ids in 0..V-1, each occurs once
-            problem = (f"{not_int[0]!r} is not an integer" if not_int else
-                       f"{out_of_range[0]} is out of range" if out_of_range else
-                       f"{twice[0]} occurs {ids.count(twice[0])} times")
-            raise ValueError(f"the ids of vocab and special_tokens must be 0, 1, ..., V-1 = "
-                             f"{len(ids) - 1}, each once: id {problem}")
-        not_bytes = [token for token in self.vocab if not token or set(token) - CHAR_TO_BYTE.keys()]
-        if not_bytes:
+        if not (all(type(i) is int for i in ids) and set(ids) == set(range(len(ids)))):
+            self._explain_ids(ids)
+        all_chars = set().union(*self.vocab) if self.vocab else set()  # every character used
+        if "" in self.vocab or not all_chars <= CHAR_TO_BYTE.keys():
+            not_bytes = [t for t in self.vocab if not t or not set(t) <= CHAR_TO_BYTE.keys()]
             raise ValueError(f"vocab token {not_bytes[0]!r} is not a string of byte characters "
                              f"(see bytes_to_unicode)")
         if not all(self.special_tokens):
@@ -238,15 +246,25 @@ class ByteBPETokenizer(Tokenizer):
         if missing:
             raise ValueError(f"the vocabulary lacks {len(missing)} single-byte tokens, "
                              f"e.g. byte {missing[0]}")
-        for a, b in self.merges:
-            if a not in self.vocab or b not in self.vocab or a + b not in self.vocab:
-                raise ValueError(f"merge {[a, b]} uses or makes a token missing from the "
-                                 "vocabulary")
-        made = {BYTE_TO_CHAR[b] for b in range(256)} | {a + b for a, b in self.merges}
-        unmade = [token for token in self.vocab if token not in made]
-        if unmade:
-            raise ValueError(f"vocab token {unmade[0]!r} is neither a single byte nor made by a "
-                             f"merge (a special token belongs in special_tokens)")
+        used = {token for merge in self.merges for token in merge}
+        made = {a + b for a, b in self.merges}
+        if not (used <= self.vocab.keys() and made <= self.vocab.keys()):
+            for a, b in self.merges:
+                if a not in self.vocab or b not in self.vocab or a + b not in self.vocab:
+                    raise ValueError(f"merge {[a, b]} uses or makes a token missing from the "
+                                     "vocabulary")
+
+    @staticmethod
+    def _explain_ids(ids: list) -> None:
+        """The ValueError for ids that are not 0, 1, ..., V-1 each once, naming one culprit."""
+        not_int = [i for i in ids if type(i) is not int]
+        out_of_range = [i for i in ids if type(i) is int and not 0 <= i < len(ids)]
+        twice = [i for i, n in Counter(ids).items() if n > 1]  # V ids in 0..V-1 not all once
+        problem = (f"{not_int[0]!r} is not an integer" if not_int else
+                   f"{out_of_range[0]} is out of range" if out_of_range else
+                   f"{twice[0]} occurs {ids.count(twice[0])} times")
+        raise ValueError(f"the ids of vocab and special_tokens must be 0, 1, ..., V-1 = "
+                         f"{len(ids) - 1}, each once: id {problem}")
 
     @classmethod
     def train(cls, text: str, vocab_size: int, special_tokens: Iterable[str] = (ENDOFTEXT,),
@@ -360,6 +378,55 @@ class ByteBPETokenizer(Tokenizer):
         return cls(data["vocab"], data["merges"], data["special_tokens"], data["pattern"])
 
     @classmethod
+    def from_bytes(cls, vocab: dict[int, bytes], merges: Iterable[tuple[bytes, bytes]],
+                   special_tokens: Iterable[str] = (), pattern: str = GPT2_PATTERN
+                   ) -> ByteBPETokenizer:  # fmt: skip
+        """The tokenizer of a bytes-level vocabulary, the form of tiktoken and other courses:
+        ``vocab`` {id: token bytes}, ``merges`` [(bytes, bytes), ...] in rank order.
+
+        ``special_tokens`` (strings): one whose UTF-8 bytes are in ``vocab`` keeps that id,
+        any other is added with the next free id. ValueError naming the culprit for ids that
+        are not 0..V-1, two ids with the same bytes, and a merge whose parts or result are not
+        in ``vocab``; TypeError for entries that are not bytes.
+        """
+        if not isinstance(vocab, dict):
+            raise TypeError(f"vocab must be a dict {{id: bytes}}, got {type(vocab).__name__}")
+        for i, token in vocab.items():
+            if not isinstance(token, (bytes, bytearray)):
+                raise TypeError(f"vocab[{i!r}] must be bytes, got {type(token).__name__}")
+        merges = [tuple(merge) for merge in merges]
+        for rank, merge in enumerate(merges):
+            if len(merge) != 2 or not all(isinstance(t, (bytes, bytearray)) for t in merge):
+                raise TypeError(f"merge {rank} must be a pair of bytes, got {merge!r:.60}")
+        ids_of = {bytes(token): i for i, token in vocab.items()}
+        if len(ids_of) < len(vocab):
+            seen = {}
+            for i, token in vocab.items():
+                if bytes(token) in seen:
+                    raise ValueError(f"ids {seen[bytes(token)]} and {i} both have the bytes "
+                                     f"{bytes(token)!r}: each token needs one id")  # fmt: skip
+                seen[bytes(token)] = i
+        for a, b in merges:
+            if a not in ids_of or b not in ids_of or a + b not in ids_of:
+                absent = next(t for t in (a, b, a + b) if t not in ids_of)
+                raise ValueError(f"merge ({a!r}, {b!r}): {absent!r} is not in the vocabulary")
+        specials = {}
+        for token in dict.fromkeys(special_tokens):
+            data = token.encode("utf-8")
+            specials[token] = ids_of.pop(data) if data in ids_of else len(vocab) + len(specials)
+        return cls({token_string(data): i for data, i in ids_of.items()},
+                   [(token_string(a), token_string(b)) for a, b in merges], specials, pattern)
+
+    def vocab_bytes(self) -> dict[int, bytes]:
+        """{id: bytes} of every token, special tokens as their UTF-8 strings (``from_bytes``'s
+        form, tiktoken's)."""
+        return dict(enumerate(self._id_to_bytes))
+
+    def merges_bytes(self) -> list[tuple[bytes, bytes]]:
+        """The merges as pairs of bytes, in rank order."""
+        return [(token_bytes(a), token_bytes(b)) for a, b in self.merges]
+
+    @classmethod
     def from_gpt2_files(cls, vocab_path, merges_path,
                         special_tokens: Iterable[str] = (ENDOFTEXT,)) -> ByteBPETokenizer:
         """Read GPT-2's own tokenizer files, as every GPT-2 checkpoint ships them (and as
@@ -369,9 +436,10 @@ class ByteBPETokenizer(Tokenizer):
         special tokens included; ``merges.txt`` holds an optional first line ``#version: 0.2``,
         then one merge ``a b`` per line in rank order. Special tokens are recognised by name:
         they are the entries named in ``special_tokens`` (by default GPT-2's only one,
-        ``<|endoftext|>``; pass ``()`` for files without any). Each must be in vocab.json, and
-        every other entry must be a single byte or made by a merge. The pattern is
-        ``GPT2_PATTERN``: the files do not record one.
+        ``<|endoftext|>``; pass ``()`` for files without any). Each must be in vocab.json. An
+        entry no merge makes and not named special (``<|endoftext|>`` with ``()``) is a plain
+        token, reached by its id only. The pattern is ``GPT2_PATTERN``: the files do not record
+        one.
         """
         vocab, merges = read_gpt2_vocab(vocab_path), read_gpt2_merges(merges_path)
         special_tokens = list(dict.fromkeys(special_tokens))
@@ -456,4 +524,4 @@ def read_gpt2_merges(path) -> list[tuple[str, str]]:
 __all__ = ["ByteBPETokenizer", "GPT2_PATTERN", "GPT2_LOOKAHEAD", "ENDOFTEXT", "BYTE_TO_CHAR",
            "CHAR_TO_BYTE", "bytes_to_unicode", "split_on_special", "count_words", "count_pairs",
            "merge_pair", "pop_best_pair", "apply_merge", "learn_merges", "read_gpt2_vocab",
-           "read_gpt2_merges"]
+           "read_gpt2_merges", "token_bytes", "token_string"]

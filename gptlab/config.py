@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .layers.rope import ROPE_PAIRINGS
+
 GELU_FORMS = ("tanh", "erf")  # GPT-2's tanh approximation; the exact x * Phi(x), written with erf
 # Other spellings of the exact GELU: "none" is torch's (F.gelu's approximate="none") and what
 # configs stored before "erf" say. GPTConfig and TrainConfig store the canonical "erf".
@@ -47,7 +49,9 @@ class GPTConfig:
       ``swiglu_hidden_size(n_embd)`` for "swiglu" (see ``mlp_hidden_size``).
     - ``position``: "learned" (GPT-2's wpe), "sinusoidal" (the fixed encoding, added to the
       embeddings) or "rope" (rotary embeddings: q and k turned by their positions in every
-      attention, base ``rope_base``, Hugging Face's rotate_half pairing).
+      attention, base ``rope_base``). ``rope_pairing`` says which coordinates of a head turn
+      together: "rotate_half" (Hugging Face's LLaMA: i with i + hs/2) or "adjacent" (Meta's
+      original LLaMA code, GPT-J: 2i with 2i + 1), so Meta-layout weights load unpermuted.
     - ``n_kv_head``: None keeps GPT-2's attention (one fused c_attn projection, biases as
       ``bias``). An integer chooses LLaMA's attention: separate q_proj, k_proj, v_proj, o_proj
       without biases, and grouped-query attention with n_kv_head key/value heads (n_head: plain
@@ -73,6 +77,7 @@ class GPTConfig:
     mlp_hidden: int | None = None
     n_kv_head: int | None = None
     rope_base: float = 10000.0
+    rope_pairing: str = "rotate_half"
     tie_embeddings: bool = True
     n_expert: int | None = None
     expert_top_k: int = 2
@@ -108,7 +113,7 @@ class GPTConfig:
         if self.position == "sinusoidal" and self.n_embd % 2 != 0:
             raise ValueError(f"the sinusoidal encoding needs an even n_embd, got {self.n_embd}")
         choices = {"ln_order": ("pre", "post"), "position": POSITIONS, "gelu": GELU_FORMS,
-                   "norm": NORMS, "mlp": MLPS}
+                   "norm": NORMS, "mlp": MLPS, "rope_pairing": ROPE_PAIRINGS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")

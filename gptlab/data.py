@@ -73,13 +73,19 @@ def split_train_val(ids: np.ndarray, block_size: int, val_fraction: float = 0.1,
     return train, val
 
 
-def get_batch(data_ids: np.ndarray, batch_size: int, block_size: int, rng: np.random.Generator,
-              backend: str = "numpy", device=None):
+def get_batch(data_ids: np.ndarray, batch_size: int, block_size: int,
+              rng: np.random.Generator | None = None, backend: str = "numpy", device=None):
     """Random windows of ``data_ids`` (N,) -> (x (B, T), y (B, T)) int64 on ``backend``/``device``.
 
     Offsets come from ``rng`` (a ``numpy.random.Generator``), so saving
-    ``rng.bit_generator.state`` is enough to replay the batches exactly.
+    ``rng.bit_generator.state`` is enough to replay the batches exactly. Without one, a fresh
+    ``numpy.random.default_rng(0)``: every such call returns the same batch (pass a generator to
+    draw new batches each step).
     """
+    if rng is None:
+        rng = np.random.default_rng(0)
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}")
     if len(data_ids) < block_size + 1:
         raise ValueError(f"{len(data_ids)} tokens are too few for windows of {block_size + 1}")
     starts = rng.integers(0, len(data_ids) - block_size, size=batch_size)  # (B,)

@@ -60,7 +60,7 @@ _OUR_NAME = re.compile(rf"wte\.weight|wpe\.weight|ln_f\.(weight|bias)|h\.\d+\.({
 LLAMA_PREFIX = "model."
 LLAMA_NAMES = {"wte.weight": "embed_tokens.weight", "ln_f.weight": "norm.weight"}  # after model.
 LLAMA_PARTS = {"ln_order": "pre", "norm": "rmsnorm", "mlp": "swiglu", "position": "rope",
-               "bias": False}  # what a LLaMA-shaped GPTConfig has
+               "bias": False, "rope_pairing": "rotate_half"}  # what a LLaMA-shaped GPTConfig has
 LLAMA_BLOCK_NAMES = {  # ours after h.{i}. -> Hugging Face's after model.layers.{i}.
     "ln_1.weight": "input_layernorm.weight",
     **{f"attn.{p}.weight": f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj",

@@ -8,6 +8,13 @@
 Parameters are a flat dict with GPT-2's checkpoint names and (in, out) weight layout, so a
 Hugging Face GPT-2 state dict maps onto it by renaming alone (see ``gptlab.interop``).
 
+Packed documents (several short documents in one row, Brown et al. 2020, Appendix B) are an
+input of their own: ``documents`` (B, T) says which document each token belongs to. Attention
+then never crosses documents (``same_document_mask``, the block-diagonal causal mask) and
+positions restart at 0 with every document (``positions_in_documents``), so each document gets
+the logits it would get alone. ``positions`` (B, T) sets the position of every token directly
+(wpe[positions], the sinusoidal encoding or RoPE at those positions).
+
 A LLaMA-style config (``GPTConfig.llama``) changes the parts, not the plan: no position is added
 (RoPE turns q and k inside every attention), the blocks and LN_f use RMSNorm, SwiGLU and
 grouped-query attention (``layers/block.py``), and the head is its own matrix,
@@ -25,7 +32,7 @@ import math
 import numpy as np
 
 from .backend import array_device, array_namespace, convert
-from .checks import require_float, require_ids_in_range, require_int
+from .checks import require_float, require_ids_in_range, require_int, require_shape
 from .config import GPTConfig
 from .layers.block import (
     block_backward,
@@ -73,6 +80,7 @@ def block_options(cfg: GPTConfig) -> dict:
                 eps=cfg.layer_norm_epsilon, dropout=cfg.dropout, norm=cfg.norm, mlp=cfg.mlp,
                 n_kv_head=cfg.kv_heads if cfg.grouped_attention else None,
                 rope_base=cfg.rope_base if cfg.position == "rope" else None,
+                rope_pairing=cfg.rope_pairing,
                 moe=None if cfg.mlp != "moe" else dict(k=cfg.expert_top_k,
                                                        capacity_factor=cfg.capacity_factor,
                                                        aux_weight=cfg.aux_loss_weight))
@@ -157,7 +165,7 @@ def _check_idx(idx, cfg: GPTConfig, name: str = "idx") -> None:
 
 
 def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed: int | None = None,
-                recompute: bool = False):
+                recompute: bool = False, positions=None, documents=None):
     """idx (B, T) token ids -> (logits (B, T, V), loss or None, cache).
 
     ``targets`` (B, T) gives the mean next-token cross-entropy, plus the blocks' load-balancing
@@ -168,6 +176,10 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
     ``recompute`` (activation recomputation, gradient checkpointing): the cache keeps only each
     block's input (B, T, C), and the backward runs the block's forward again from it
     (``backward_parts``): n_layer * B*T*C numbers instead of every block's activations.
+
+    ``documents`` (B, T) int: packed documents, no attention across them and positions that
+    restart with each (unless ``positions`` (B, T) int gives every token's position). Experts
+    with a ``capacity_factor`` still share their capacity across the whole batch.
     """
     check_params(params, cfg)
     _check_idx(idx, cfg)
@@ -175,16 +187,18 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
         _check_idx(targets, cfg, "targets")
         if tuple(targets.shape) != tuple(idx.shape):
             raise ValueError(f"targets has shape {tuple(targets.shape)}, idx has {tuple(idx.shape)}")
+    mask, positions = packed_inputs(idx, cfg, positions, documents)  # (B, T, T), (B, T) or None
     training = cfg.dropout > 0.0 and dropout_seed is not None
-    cache = {"cfg": cfg, "training": training, "recompute": recompute}
+    cache = {"cfg": cfg, "training": training, "recompute": recompute, "mask": mask,
+             "positions": positions}
     seed = dropout_seed if training else None
     if recompute:  # what the backward needs to run the blocks again
         cache["params"], cache["dropout_seed"] = params, seed
-    x = embed_forward(params, idx, cfg, cache, seed)  # (B, T, C)
+    x = embed_forward(params, idx, cfg, cache, seed, positions)  # (B, T, C)
     cache["blocks"], aux_losses = [], []
     for layer in range(cfg.n_layer):
         p = block_params(params, layer)
-        y, aux, block_cache = layer_forward(x, p, cfg, layer, seed)  # (B, T, C), aux or None
+        y, aux, block_cache = layer_forward(x, p, cfg, layer, seed, mask, positions)  # (B,T,C)
         aux_losses.append(aux)
         cache["blocks"].append(x if recompute else block_cache)  # recompute: the input only
         x = y
@@ -192,14 +206,61 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
     return logits, loss, cache
 
 
-def embed_forward(params: dict, idx, cfg: GPTConfig, cache: dict, dropout_seed=None):
+def packed_inputs(idx, cfg: GPTConfig, positions=None, documents=None):
+    """Check ``positions`` and ``documents`` (each (B, T) int or None) against idx (B, T) ->
+    (mask (B, T, T) bool or None, positions (B, T) or None): the mask of ``documents``, and
+    their positions within each document when ``positions`` is not given."""
+    mask = None
+    if documents is not None:
+        require_int("documents", documents)
+        require_shape("documents", documents, tuple(idx.shape))
+        mask = same_document_mask(documents)  # (B, T, T)
+        if positions is None:
+            positions = positions_in_documents(mask)  # (B, T)
+    elif positions is not None:
+        require_int("positions", positions)
+        require_shape("positions", positions, tuple(idx.shape))
+    if positions is not None and math.prod(positions.shape) > 0:
+        xp = array_namespace(positions)
+        low, high = int(xp.min(positions)), int(xp.max(positions))
+        if low < 0 or high >= cfg.block_size:
+            raise ValueError(f"positions must lie in [0, block_size={cfg.block_size}), got "
+                             f"{low} .. {high}")  # fmt: skip
+    return mask, positions
+
+
+def same_document_mask(documents):
+    """documents (B, T) int, the document of each token -> (B, T, T) bool, True where query t may
+    see key i: i <= t and the same document (the block-diagonal causal mask)."""
+    xp = array_namespace(documents)
+    T = documents.shape[-1]
+    t = xp.arange(T, device=array_device(documents))  # (T,)
+    causal = t[None, :] <= t[:, None]  # (T, T) key i <= query t
+    same = documents[..., :, None] == documents[..., None, :]  # (B, T, T)
+    return xp.logical_and(same, causal)  # (B, T, T)
+
+
+def positions_in_documents(mask):
+    """mask (B, T, T) of ``same_document_mask`` -> positions (B, T): how many earlier tokens of
+    its own document each token sees, i.e. 0 at every document's first token, then 1, 2, ..."""
+    xp = array_namespace(mask)
+    return xp.sum(xp.astype(mask, xp.int64), axis=-1) - 1  # (B, T)
+
+
+def embed_forward(params: dict, idx, cfg: GPTConfig, cache: dict, dropout_seed=None,
+                  positions=None):
     """x0 = wte[idx] + position (B, T, C), dropped out when ``dropout_seed`` is given (then
-    ``cache["training"]`` must be True); the backward's state goes into ``cache``."""
+    ``cache["training"]`` must be True); the backward's state goes into ``cache``. ``positions``
+    (B, T): each token's position (None: 0 .. T-1); learned ones are then the embedding lookup
+    wpe[positions]."""
     tok, cache["wte"] = embedding_forward(idx, params["wte.weight"])  # (B, T, C)
-    if cfg.position == "learned":
+    if cfg.position == "learned" and positions is not None:
+        pos, cache["wpe"] = embedding_forward(positions, params["wpe.weight"])  # (B, T, C)
+        x = tok + pos  # (B, T, C)
+    elif cfg.position == "learned":
         x, cache["wpe"] = position_learned_forward(tok, params["wpe.weight"])  # (B, T, C)
     elif cfg.position == "sinusoidal":
-        x, cache["wpe"] = position_sinusoidal_forward(tok)  # (B, T, C)
+        x, cache["wpe"] = position_sinusoidal_forward(tok, positions=positions)  # (B, T, C)
     else:
         x = tok  # (B, T, C) rope: the positions turn q and k inside every attention
     if dropout_seed is not None:
@@ -207,11 +268,15 @@ def embed_forward(params: dict, idx, cfg: GPTConfig, cache: dict, dropout_seed=N
     return x
 
 
-def layer_forward(x, p: dict, cfg: GPTConfig, layer: int, dropout_seed=None):
+def layer_forward(x, p: dict, cfg: GPTConfig, layer: int, dropout_seed=None, mask=None,
+                  positions=None):
     """Block ``layer`` with its parameters ``p`` (``block_params``): x (B, T, C) ->
-    (y (B, T, C), aux (a MoE block's load-balancing loss) or None, the block's cache)."""
+    (y (B, T, C), aux (a MoE block's load-balancing loss) or None, the block's cache).
+    ``mask`` (B, T, T) and ``positions`` (B, T): packed documents (see ``packed_inputs``)."""
     seed = None if dropout_seed is None else dropout_seed + 2 * (layer + 1)
-    y, block_cache = block_forward(x, p, **block_options(cfg), seed=seed)  # (B, T, C)
+    rope = cfg.position == "rope"
+    y, block_cache = block_forward(x, p, **block_options(cfg), seed=seed, mask=mask,
+                                   positions=positions if rope else None)  # (B, T, C)
     if cfg.mlp == "moe":
         return (*y, block_cache)  # a block of experts returns its load-balancing loss too
     return y, None, block_cache
@@ -300,7 +365,11 @@ def backward_parts(cache: dict, dlogits=None, dxf=None, block_cache=None):
     if cache["training"]:
         (dx,) = dropout_backward(dx, cache["drop"])  # (B, T, C)
     # x = tok + position
-    if cfg.position == "learned":
+    if cfg.position == "learned" and cache.get("positions") is not None:
+        # x = tok + pos, pos = wpe[positions]
+        dtok = dx  # (B, T, C)
+        (grads["wpe.weight"],) = embedding_backward(dx, cache["wpe"])  # (block_size, C)
+    elif cfg.position == "learned":
         dtok, grads["wpe.weight"] = position_learned_backward(dx, cache["wpe"])  # (B, T, C)
     elif cfg.position == "sinusoidal":
         (dtok,) = position_sinusoidal_backward(dx, cache["wpe"])  # (B, T, C)
@@ -317,7 +386,8 @@ def recompute_block(cache: dict, layer: int):
     the forward's parameters and dropout seed (so the same dropout masks)."""
     x = cache["blocks"][layer]  # (B, T, C) the block's input
     p = block_params(cache["params"], layer)
-    return layer_forward(x, p, cache["cfg"], layer, cache["dropout_seed"])[2]
+    return layer_forward(x, p, cache["cfg"], layer, cache["dropout_seed"], cache["mask"],
+                         cache["positions"])[2]
 
 
 def cache_bytes(cache, params: dict | None = None) -> int:
@@ -360,5 +430,5 @@ __all__ = [
     "GPTConfig", "param_shapes", "count_params", "init_params", "block_params", "block_options",
     "head_weight", "check_params", "gpt_forward", "gpt_backward", "loss_and_grads",
     "embed_forward", "layer_forward", "head_forward", "backward_parts", "recompute_block",
-    "cache_bytes",
+    "cache_bytes", "packed_inputs", "same_document_mask", "positions_in_documents",
 ]  # fmt: skip

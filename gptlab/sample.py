@@ -105,7 +105,8 @@ def _block_step(x, p, k_past, v_past, cfg: GPTConfig, Tp: int):
             return _attention_step(z, p, k_past, v_past, n_head=cfg.n_head)
         rotate = None  # RoPE turns the new queries and keys as positions Tp, ..., Tp + Tn - 1
         if cfg.position == "rope":
-            rotate = functools.partial(rope_forward, base=cfg.rope_base, start=Tp)
+            rotate = functools.partial(rope_forward, base=cfg.rope_base, start=Tp,
+                                       pairing=cfg.rope_pairing)
         weights = (p[f"attn.{name}"] for name in GROUPED_ATTN_NAMES)  # wq, wk, wv, wo
         return gqa_attention_step(z, *weights, k_past, v_past, n_head=cfg.n_head,
                                   n_kv_head=cfg.kv_heads, rotate=rotate)  # fmt: skip

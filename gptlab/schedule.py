@@ -89,5 +89,24 @@ def clip_grad_norm(grads: dict, max_norm: float, norm: float | None = None) -> f
     return total_norm
 
 
+def clip_grad_norm_(parameters, max_norm: float, norm: float | None = None) -> float:
+    """``clip_grad_norm`` in place, with the arguments of torch.nn.utils.clip_grad_norm_:
+    ``parameters`` is one tensor or array, or an iterable of them; a torch parameter (a tensor
+    with ``requires_grad``) is clipped through its ``.grad`` (None is skipped), any other tensor
+    or array is itself a gradient and scaled in place. Returns the norm before clipping, as a
+    Python float."""
+    if hasattr(parameters, "shape"):
+        parameters = [parameters]
+    grads = [getattr(p, "grad", None) if getattr(p, "requires_grad", False) else p
+             for p in parameters]  # fmt: skip
+    grads = {i: g for i, g in enumerate(grads) if g is not None}
+    scaled = dict(grads)
+    total_norm = clip_grad_norm(scaled, max_norm, norm)
+    for i, g in grads.items():
+        if scaled[i] is not g:  # clipped: write the scaled gradient back into its array
+            g[...] = scaled[i]
+    return total_norm
+
+
 __all__ = ["SCHEDULES", "cosine_lr", "inverse_sqrt_lr", "make_schedule", "global_norm",
-           "clip_grad_norm"]
+           "clip_grad_norm", "clip_grad_norm_"]

@@ -9,7 +9,7 @@ import json
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from gptlab.bpe import (BYTE_TO_CHAR, ENDOFTEXT, GPT2_PATTERN, ByteBPETokenizer, count_pairs,
@@ -168,6 +168,10 @@ def test_special_tokens_in_training_text_separate_documents():
 @fast(300)
 @given(text=assigned_text)
 def test_same_ids_as_hugging_face_for_any_text(tok, hf_tok, text):
+    # Hugging Face always reads "<|endoftext|>" in text as the special token; encode() reads it
+    # as ordinary text unless allowed (tokenizer_base's policy). Hypothesis draws the string from
+    # the constants of the modules loaded, which depend on what ran before in the process.
+    assume(ENDOFTEXT not in text)
     assert tok.encode(text) == hf_tok.encode(text).ids
 
 
@@ -312,8 +316,6 @@ def test_from_dict_rejects_broken_data(tok):
             broken(data, special_tokens={ENDOFTEXT: 10_000}),
         "each once: id 1 occurs 2 times": broken(data, special_tokens={ENDOFTEXT: 1}),
         "each once: id '0' is not an integer": broken(data, special_tokens={ENDOFTEXT: "0"}),
-        r"'<pad>' is neither a single byte nor made by a merge \(a special token belongs":
-            broken(data, vocab={**vocab, "<pad>": 0}, special_tokens={}),
         "lacks 1 single-byte tokens": broken(data, vocab={**without_bang, "!!": 1}),
         "not a string of byte characters": broken(data, vocab={**vocab, "\u4e2d": len(vocab) + 1}),
         "special tokens must be non-empty": broken(data, special_tokens={"": 0}),

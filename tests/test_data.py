@@ -133,3 +133,17 @@ def test_load_tokenizer_errors(tmp_path):
     path.write_bytes(b"\x00\x01 not json")
     with pytest.raises(ValueError, match="tok.json"):
         load_tokenizer(path)
+
+
+def test_get_batch_default_rng_is_seeded():
+    """Without a generator every call draws the same batch, the one of default_rng(0); a
+    generator that is not a numpy Generator is refused by name."""
+    data = np.arange(300)
+    first, again = get_batch(data, 6, 8), get_batch(data, 6, 8)
+    seeded = get_batch(data, 6, 8, np.random.default_rng(0))
+    for a, b, c in zip(first, again, seeded):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    assert len(set(first[0][:, 0].tolist())) > 1  # still random windows, not one offset
+    with pytest.raises(TypeError, match="rng must be a numpy.random.Generator"):
+        get_batch(data, 6, 8, 0)

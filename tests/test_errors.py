@@ -89,11 +89,12 @@ def test_attention_weights_must_match_width(F):
         attention_forward(F(B, T, C), F(C, 3 * C), F(C), F(C, C), F(C), n_head=NH)
 
 
-def test_attention_input_must_be_three_dimensional(F):
-    with pytest.raises(ValueError, match=re.escape("x must have shape (B, T, C), got (3, 4)")):
-        attention_forward(F(T, C), F(C, 3 * C), F(3 * C), F(C, C), F(C), n_head=NH)
-    with pytest.raises(ValueError, match=re.escape("qkv must have shape (B, T, 3C), got (3, 12)")):
-        multihead_forward(F(T, 3 * C), n_head=NH)
+def test_attention_input_needs_positions_and_channels(F):
+    with pytest.raises(ValueError, match=re.escape("x must have shape (B, T, C) or (..., T, C), "
+                                                   "got (4,)")):
+        attention_forward(F(C), F(C, 3 * C), F(3 * C), F(C, C), F(C), n_head=NH)
+    with pytest.raises(ValueError, match=re.escape("qkv must have shape (..., T, 3C), got (12,)")):
+        multihead_forward(F(3 * C), n_head=NH)
 
 
 def test_attention_width_must_split_into_heads(F):

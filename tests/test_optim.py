@@ -23,7 +23,13 @@ from gptlab.optim import (
     matrices_only,
     param_groups,
 )
-from gptlab.schedule import clip_grad_norm, cosine_lr, inverse_sqrt_lr, make_schedule
+from gptlab.schedule import (
+    clip_grad_norm,
+    clip_grad_norm_,
+    cosine_lr,
+    inverse_sqrt_lr,
+    make_schedule,
+)
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=6)
 STEPS = 50
@@ -421,3 +427,33 @@ def test_decay_filters_take_matrices_and_expert_stacks_never_biases_or_gains():
     assert not any(name.endswith(".bias") or ".ln_" in name for name in decayed)
     everything = {name for name, x in params.items() if matrices_and_positions(name, x)}
     assert everything == decayed | {"wpe.weight"}
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_grad_norm_in_place_matches_torch(max_norm):
+    """clip_grad_norm_ takes what torch.nn.utils.clip_grad_norm_ takes: parameters (through their
+    .grad, a None grad skipped), plain tensors or NumPy arrays (the gradients themselves), or
+    one tensor; it scales them in place and returns the same norm."""
+    def parameters():
+        params = [g.clone().requires_grad_() for g in _grads(0, "torch").values()]
+        for p in params:
+            p.grad = p.detach().clone() * 3.0
+        return params + [torch.zeros(2, requires_grad=True)]  # .grad None: skipped
+
+    expected = parameters()
+    norm = torch.nn.utils.clip_grad_norm_(expected, max_norm)
+    ours = parameters()
+    assert clip_grad_norm_(ours, max_norm) == pytest.approx(float(norm), rel=1e-13)
+    for p, q in zip(ours, expected):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert torch.equal(p.detach(), q.detach())  # the parameters are not touched
+            assert float((p.grad - q.grad).abs().max()) < 1e-14
+    arrays = [3.0 * g for g in _grads(0, "numpy").values()]  # (a generator works too)
+    assert clip_grad_norm_((a for a in arrays), max_norm) == pytest.approx(float(norm), rel=1e-13)
+    for a, q in zip(arrays, expected):
+        assert np.abs(a - q.grad.numpy()).max() < 1e-14
+    single = torch.ones(4, dtype=torch.float64, requires_grad=True)
+    single.grad = torch.full((4,), 2.0, dtype=torch.float64)  # norm 4
+    assert clip_grad_norm_(single, max_norm) == pytest.approx(4.0, rel=1e-15)
+    assert float((single.grad - min(2.0, 2.0 * max_norm / 4.0)).abs().max()) < 1e-6

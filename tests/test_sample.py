@@ -260,6 +260,8 @@ VARIANTS = {
                                                mlp_hidden=24, n_kv_head=2, bias=False,
                                                position="sinusoidal"),
     "layernorm-gelu-rope": GPTConfig(**TINY_VARIANT, position="rope", tie_embeddings=False),
+    "llama-gqa-adjacent": GPTConfig.llama(**TINY_VARIANT, n_kv_head=2, mlp_hidden=24,
+                                          rope_pairing="adjacent"),
     # experts without a capacity limit route every token on its own: the cache changes nothing
     "moe-top2": GPTConfig(**TINY_VARIANT, mlp="moe", n_expert=3, mlp_hidden=12),
     "moe-top1-llama-parts": GPTConfig(**TINY_VARIANT, mlp="moe", n_expert=4, expert_top_k=1,

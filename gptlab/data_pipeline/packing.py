@@ -13,7 +13,8 @@ Packing (Brown et al. 2020, Appendix B): every sequence is a full context of T t
 documents are concatenated, each followed by <|endoftext|>, and the stream is cut into rows. GPT-3
 did not mask across documents. ``document_mask`` is the option of doing so: query i sees key j
 when j <= i and both lie in the same document (the end-of-text token closes its document), a
-block-diagonal causal mask.
+block-diagonal causal mask. ``document_ids`` and ``document_positions`` are what
+``gpt_forward`` takes for packed rows (``documents=``, ``positions=``).
 """
 
 from __future__ import annotations
@@ -150,3 +151,11 @@ def document_mask(rows, eot_id: int):
     causal = positions[None, :] <= positions[:, None]  # (T, T) key j <= query i
     same = doc[..., :, None] == doc[..., None, :]  # (B, T, T)
     return xp.logical_and(same, causal)  # (B, T, T)
+
+
+def document_positions(rows, eot_id: int):
+    """rows (B, T) -> (B, T) int: the position of each token within its own document, 0 at each
+    document's first token (the token after an end-of-text), counting the earlier tokens of the
+    same document that ``document_mask`` lets it see."""
+    xp = array_namespace(rows)
+    return xp.sum(xp.astype(document_mask(rows, eot_id), xp.int64), axis=-1) - 1  # (B, T)

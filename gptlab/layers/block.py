@@ -24,6 +24,11 @@ each branch (GPT-2's residual dropout). A block without biases (nanoGPT's ``bias
 has no ``*.bias`` entries in ``p``; LLaMA's parts have none at all.
 A residual connection y = x + f(x) sends dy down both paths: dx = dy + df's input gradient.
 
+x may have any leading dims, (..., T, C) as (B, T, C). Packed documents: ``mask`` (..., T, T) bool
+hides keys from queries besides the causal mask (False across documents), and ``positions``
+(..., T) are the positions RoPE turns q and k by (restarting with every document); without them
+row t is position t. ``rope_pairing`` is RoPE's pairing of coordinates (``rope.py``).
+
 Book: chapter 4 (forward), chapter 8 (backward), and the chapter on today's open-model blocks.
 """
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import functools
 
+from ..backend import array_namespace
 from .attention import attention_backward, attention_forward
 from .dropout import dropout_backward, dropout_forward
 from .gqa import gqa_attention_backward, gqa_attention_forward
@@ -106,15 +112,21 @@ def block_norm(x, p, name: str, opts: dict):
 
 
 def block_attention(x, p, opts: dict):
-    """GPT-2's attention (opts["n_kv_head"] None) or LLaMA's, with RoPE when opts["rope_base"]."""
+    """GPT-2's attention (opts["n_kv_head"] None) or LLaMA's, with RoPE when opts["rope_base"]
+    (pairing opts["rope_pairing"], at opts["positions"] when given); keys hidden by opts["mask"]."""
     if opts["n_kv_head"] is None:
         return _run(attention_forward, attention_backward, "attn", GPT2_ATTN_NAMES, x, p,
-                    n_head=opts["n_head"])  # fmt: skip
+                    n_head=opts["n_head"], mask=opts["mask"])  # fmt: skip
     rotate = None
     if opts["rope_base"] is not None:
-        rotate = (functools.partial(rope_forward, base=opts["rope_base"]), rope_backward)
+        positions = opts["positions"]
+        if positions is not None:  # (..., T) -> (..., 1, T), the same for every head
+            positions = array_namespace(positions).expand_dims(positions, axis=-2)
+        rotate = (functools.partial(rope_forward, base=opts["rope_base"], positions=positions,
+                                    pairing=opts["rope_pairing"]), rope_backward)  # fmt: skip
     return _run(gqa_attention_forward, gqa_attention_backward, "attn", GROUPED_ATTN_NAMES, x, p,
-                n_head=opts["n_head"], n_kv_head=opts["n_kv_head"], rotate=rotate)  # fmt: skip
+                n_head=opts["n_head"], n_kv_head=opts["n_kv_head"], rotate=rotate,
+                mask=opts["mask"])  # fmt: skip
 
 
 def block_mlp(x, p, opts: dict):
@@ -161,6 +173,9 @@ def _check_options(p: dict, opts: dict) -> None:
     if opts["rope_base"] is not None and opts["n_kv_head"] is None:
         raise ValueError("rope_base needs LLaMA's attention (q_proj, k_proj: RoPE turns q and k "
                          "after their projections): give n_kv_head too")  # fmt: skip
+    if opts["positions"] is not None and opts["rope_base"] is None:
+        raise ValueError("positions are what RoPE turns q and k by: give rope_base too (a block "
+                         "without RoPE has no positions; a model adds them to the embeddings)")
     expected = block_param_shapes(1, bias=any(name.endswith(".bias") for name in p),
                                   n_kv_head=None if opts["n_kv_head"] is None else 1,
                                   norm=opts["norm"], mlp=opts["mlp"], n_expert=1)  # fmt: skip
@@ -172,12 +187,15 @@ def _check_options(p: dict, opts: dict) -> None:
 def block_forward(x, p, *, n_head: int, ln_order: str = "pre", gelu: str = "tanh",
                   eps: float = 1e-5, dropout: float = 0.0, seed: int | None = None,
                   norm: str = "layernorm", mlp: str = "gelu", n_kv_head: int | None = None,
-                  rope_base: float | None = None, moe: dict | None = None):  # fmt: skip
+                  rope_base: float | None = None, rope_pairing: str = "rotate_half",
+                  moe: dict | None = None, mask=None, positions=None):  # fmt: skip
     """x (B, T, C), p dict of the block's parameters (``block_param_shapes``) -> y (B, T, C),
     or (y, aux) with mlp="moe" (``moe``: the keywords k, capacity_factor, aux_weight of
-    moe_forward)."""
+    moe_forward). Any leading dims (..., T, C); ``mask`` (..., T, T) bool and ``positions``
+    (..., T) int for packed documents (see the module's docstring)."""
     opts = dict(n_head=n_head, ln_order=ln_order, gelu=gelu, eps=eps, dropout=dropout, seed=seed,
-                norm=norm, mlp=mlp, n_kv_head=n_kv_head, rope_base=rope_base, moe=moe)
+                norm=norm, mlp=mlp, n_kv_head=n_kv_head, rope_base=rope_base,
+                rope_pairing=rope_pairing, moe=moe, mask=mask, positions=positions)
     _check_options(p, opts)
     c = {"moe": mlp == "moe"}
     if ln_order == "pre":

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 from ..backend import array_namespace
 from ..checks import require_float, require_same_dtype, require_shape
-from .attention import merge_heads, split_heads
+from .attention import _check_mask, merge_heads, split_heads
 from .linear import linear_backward, linear_forward
 from .sdpa import _broadcast, sdpa_backward, sdpa_forward
 
@@ -50,41 +50,44 @@ from .sdpa import _broadcast, sdpa_backward, sdpa_forward
 def gqa_forward(q, k, v, mask=None, *, causal: bool = True):
     """q (B, NH, Tq, hs), k (B, NKV, Tk, hs), v (B, NKV, Tk, hv), mask None or bool broadcasting
     to (B, NH, Tq, Tk) -> out (B, NH, Tq, hv); query head h reads key/value head h // (NH / NKV).
-    ``causal`` aligns the queries with the last Tq keys (sdpa). The cache is sdpa's."""
+    ``causal`` aligns the queries with the last Tq keys (sdpa). The cache is sdpa's.
+    Any leading dims (..., NH, Tq, hs) work as B does (the same in q, k and v)."""
     xp = array_namespace(q, k, v, mask)
     _check_inputs(q, k, v, mask)
-    B, NH, Tq, hs = q.shape
-    NKV = k.shape[1]
+    *B, NH, Tq, hs = q.shape
+    NKV = k.shape[-3]
     G = NH // NKV
-    q_grouped = xp.reshape(q, (B, NKV, G, Tq, hs))  # (B, NKV, G, Tq, hs), head h = n * G + g
-    k_grouped = xp.expand_dims(k, axis=2)  # (B, NKV, 1, Tk, hs), shared by the G of group n
-    v_grouped = xp.expand_dims(v, axis=2)  # (B, NKV, 1, Tk, hv)
+    q_grouped = xp.reshape(q, (*B, NKV, G, Tq, hs))  # (B, NKV, G, Tq, hs), head h = n * G + g
+    k_grouped = xp.expand_dims(k, axis=-3)  # (B, NKV, 1, Tk, hs), shared by the G of group n
+    v_grouped = xp.expand_dims(v, axis=-3)  # (B, NKV, 1, Tk, hv)
     mask = _group_mask(mask, NKV, G)  # (..., Tq, Tk) or None
     out, cache = sdpa_forward(q_grouped, k_grouped, v_grouped, mask, causal=causal)
-    return xp.reshape(out, (B, NH, Tq, out.shape[-1])), cache  # (B, NH, Tq, hv)
+    return xp.reshape(out, (*B, NH, Tq, out.shape[-1])), cache  # (B, NH, Tq, hv)
 
 
 def gqa_backward(dout, cache):
     """dout (B, NH, Tq, hv) -> (dq (B, NH, Tq, hs), dk (B, NKV, Tk, hs), dv (B, NKV, Tk, hv))."""
     xp = array_namespace(dout)
-    B, NKV, G, Tq, hs = cache[0].shape  # sdpa's cache starts with q_grouped
+    *B, NKV, G, Tq, hs = cache[0].shape  # sdpa's cache starts with q_grouped
     # return xp.reshape(out, (B, NH, Tq, hv))
-    dout_grouped = xp.reshape(dout, (B, NKV, G, Tq, dout.shape[-1]))  # (B, NKV, G, Tq, hv)
+    dout_grouped = xp.reshape(dout, (*B, NKV, G, Tq, dout.shape[-1]))  # (B, NKV, G, Tq, hv)
     # out = sdpa_forward(q_grouped, k_grouped, v_grouped, ...): k and v are broadcast over the G
     # query heads of a group, so sdpa_backward sums their G gradients,
     # dk[n] = sum_g scale * dscores[n, g]^T @ q[n, g], dv[n] = sum_g att[n, g]^T @ dout[n, g]
     dq, dk, dv = sdpa_backward(dout_grouped, cache)  # (B,NKV,G,Tq,hs), (B,NKV,1,Tk,hs|hv)
     # q_grouped = xp.reshape(q, (B, NKV, G, Tq, hs))
-    dq = xp.reshape(dq, (B, NKV * G, Tq, hs))  # (B, NH, Tq, hs)
-    # k_grouped = xp.expand_dims(k, axis=2), v_grouped = xp.expand_dims(v, axis=2)
-    dk = xp.squeeze(dk, axis=2)  # (B, NKV, Tk, hs)
-    dv = xp.squeeze(dv, axis=2)  # (B, NKV, Tk, hv)
+    dq = xp.reshape(dq, (*B, NKV * G, Tq, hs))  # (B, NH, Tq, hs)
+    # k_grouped = xp.expand_dims(k, axis=-3), v_grouped = xp.expand_dims(v, axis=-3)
+    dk = xp.squeeze(dk, axis=-3)  # (B, NKV, Tk, hs)
+    dv = xp.squeeze(dv, axis=-3)  # (B, NKV, Tk, hv)
     return dq, dk, dv
 
 
 def gqa_attention_forward(x, wq, wk, wv, wo, *, n_head: int, n_kv_head: int, causal: bool = True,
-                          rotate=None):  # fmt: skip
+                          rotate=None, mask=None):  # fmt: skip
     """x (B, T, C), wq (C, NH*hs), wk and wv (C, NKV*hs), wo (NH*hs, C) -> y (B, T, C).
+    Any leading dims (..., T, C) work as B does; ``mask`` None or (..., T, T) bool, the same
+    for every head, as in ``attention_forward``.
 
     ``rotate``: None, or the pair (rotate_forward, rotate_backward) of a layer that rotates the
     rows of q (B, NH, T, hs) and k (B, NKV, T, hs) by their positions 0..T-1, such as RoPE:
@@ -97,7 +100,10 @@ def gqa_attention_forward(x, wq, wk, wv, wo, *, n_head: int, n_kv_head: int, cau
                         f"functions, got {rotate!r:.60}")
     q, k, v, proj_caches = _heads(x, wq, wk, wv, n_head, n_kv_head,
                                   None if rotate is None else rotate[0])
-    heads, core_cache = gqa_forward(q, k, v, causal=causal)  # (B, NH, T, hs)
+    if mask is not None:
+        _check_mask(mask, x.shape[:-1])
+        mask = array_namespace(mask).expand_dims(mask, axis=-3)  # (..., 1, T, T) every head
+    heads, core_cache = gqa_forward(q, k, v, mask, causal=causal)  # (B, NH, T, hs)
     y, o_cache = linear_forward(merge_heads(heads), wo)  # (B, T, C)
     return y, (proj_caches, core_cache, o_cache, rotate)
 
@@ -105,7 +111,7 @@ def gqa_attention_forward(x, wq, wk, wv, wo, *, n_head: int, n_kv_head: int, cau
 def gqa_attention_backward(dy, cache):
     """dy (B, T, C) -> (dx (B, T, C), dwq, dwk, dwv, dwo), each of its weight's shape."""
     (q_cache, k_cache, v_cache, q_rot_cache, k_rot_cache), core_cache, o_cache, rotate = cache
-    n_kv_head, group = core_cache[0].shape[1:3]  # sdpa's q_grouped (B, NKV, G, T, hs)
+    n_kv_head, group = core_cache[0].shape[-4:-2]  # sdpa's q_grouped (B, NKV, G, T, hs)
     # y = merge_heads(heads) @ wo
     dheads, dwo, _ = linear_backward(dy, o_cache)  # (B, T, NH*hs)
     # heads = gqa_forward(q, k, v)
@@ -131,6 +137,8 @@ def gqa_attention_step(x, wq, wk, wv, wo, k_past, v_past, *, n_head: int, n_kv_h
     rotates its rows as positions Tp, ..., Tp + Tn - 1 (the caller binds the offset Tp)."""
     xp = array_namespace(x)
     _check_projections(x, wq, wk, wv, wo, n_head, n_kv_head)
+    if len(x.shape) != 3:
+        raise ValueError(f"x must have shape (B, Tn, C), got {tuple(x.shape)}")
     if rotate is not None and not callable(rotate):
         raise TypeError(f"rotate must be None or a function (rotate_forward), got {rotate!r:.60}")
     q, k, v, _ = _heads(x, wq, wk, wv, n_head, n_kv_head, rotate)
@@ -203,20 +211,21 @@ def _check_inputs(q, k, v, mask) -> None:
     dtypes, causal). TypeError for dtypes, ValueError for shapes; the messages name the argument."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         require_float(name, a)
-        if len(a.shape) != 4:
+        if len(a.shape) < 3 or len(a.shape) != len(q.shape):
             heads = "NH" if name == "q" else "NKV"
             raise ValueError(f"{name} must have shape (B, {heads}, T, hs), got {tuple(a.shape)}")
-    (B, NH, Tq, _), (NKV, Tk) = q.shape, k.shape[1:3]
+    (*B, NH, Tq, _), (NKV, Tk) = q.shape, k.shape[-3:-1]
     for name, a in (("k", k), ("v", v)):
-        if a.shape[0] != B:
-            raise ValueError(f"{name} has batch size {a.shape[0]} but q has {B}")
-    if v.shape[1] != NKV:
-        raise ValueError(f"v has {v.shape[1]} heads but k has {NKV}: they are the same heads")
+        if list(a.shape[:-3]) != B:
+            batch = ", ".join(map(str, a.shape[:-3]))
+            raise ValueError(f"{name} has batch size {batch} but q has {', '.join(map(str, B))}")
+    if v.shape[-3] != NKV:
+        raise ValueError(f"v has {v.shape[-3]} heads but k has {NKV}: they are the same heads")
     if NKV == 0 or NH % NKV != 0:
         raise ValueError(f"q has {NH} heads, not a multiple of k's {NKV} key/value heads: each "
                          "key/value head serves NH / NKV query heads")  # fmt: skip
     if mask is not None and hasattr(mask, "shape"):
-        weights = (B, NH, Tq, Tk)
+        weights = (*B, NH, Tq, Tk)
         if _broadcast([mask.shape, weights]) != weights:
             raise ValueError(f"mask has shape {tuple(mask.shape)}, which does not broadcast to the "
                              f"attention weights' shape (B, NH, Tq, Tk) = {weights}")  # fmt: skip
@@ -230,8 +239,8 @@ def _check_projections(x, wq, wk, wv, wo, n_head: int, n_kv_head: int) -> None:
     for name, w in weights.items():
         require_float(name, w)
         require_same_dtype("x", x, name, w)
-    if len(x.shape) != 3:
-        raise ValueError(f"x must have shape (B, T, C), got {tuple(x.shape)}")
+    if len(x.shape) < 2:
+        raise ValueError(f"x must have shape (B, T, C) or (..., T, C), got {tuple(x.shape)}")
     _require_count("n_head", n_head, least=1)
     _require_count("n_kv_head", n_kv_head, least=1)
     if n_head % n_kv_head != 0:

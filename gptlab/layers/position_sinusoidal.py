@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 from ..backend import array_device, array_namespace
-from ..checks import require_float
+from ..checks import require_float, require_int
+from .sdpa import _broadcast
 
 
 def _frequencies(C: int, base: float, xp, dtype, device):
@@ -33,22 +34,38 @@ def sinusoidal_encoding(T: int, C: int, *, base: float = 10000.0, like=None, xp=
     if like is not None:
         xp, dtype, device = array_namespace(like), like.dtype, array_device(like)
     t = xp.arange(T, dtype=dtype, device=device)  # (T,)
-    angles = t[:, None] * _frequencies(C, base, xp, dtype, device)[None, :]  # (T, C/2)
-    pairs = xp.stack([xp.sin(angles), xp.cos(angles)], axis=-1)  # (T, C/2, 2)
-    return xp.reshape(pairs, (T, C))  # (T, C)
+    return _encoding(t, C, base)  # (T, C)
 
 
-def position_sinusoidal_forward(x, *, base: float = 10000.0):
-    """x (B, T, C) -> y (B, T, C) = x + e(0..T-1)."""
+def _encoding(t, C: int, base: float):
+    """The encoding at the positions t (...,), a float array -> (..., C)."""
+    xp = array_namespace(t)
+    angles = t[..., None] * _frequencies(C, base, xp, t.dtype, array_device(t))  # (..., C/2)
+    pairs = xp.stack([xp.sin(angles), xp.cos(angles)], axis=-1)  # (..., C/2, 2)
+    return xp.reshape(pairs, (*t.shape, C))  # (..., C)
+
+
+def position_sinusoidal_forward(x, *, base: float = 10000.0, positions=None):
+    """x (B, T, C) -> y (B, T, C) = x + e(0..T-1), or x + e(positions) for integer positions
+    (B, T) (any shape that broadcasts against x's (B, T)): each token its own position, such as
+    positions that restart with every document of a packed row."""
+    xp = array_namespace(x)
     require_float("x", x)
     T, C = x.shape[-2], x.shape[-1]
-    y = x + sinusoidal_encoding(T, C, base=base, like=x)  # (B, T, C)
+    if positions is None:
+        y = x + sinusoidal_encoding(T, C, base=base, like=x)  # (B, T, C)
+        return y, ()
+    require_int("positions", positions)
+    if _broadcast([positions.shape, x.shape[:-1]]) != tuple(x.shape[:-1]):
+        raise ValueError(f"positions has shape {tuple(positions.shape)}, which does not "
+                         f"broadcast to x's (B, T) = {tuple(x.shape[:-1])}")  # fmt: skip
+    y = x + _encoding(xp.astype(positions, x.dtype), C, base)  # (B, T, C)
     return y, ()
 
 
 def position_sinusoidal_backward(dy, cache):
     """dy (B, T, C) -> (dx (B, T, C),): the encoding is a constant, so dx = dy."""
-    # y = x + e(0..T-1)
+    # y = x + e(0..T-1), or y = x + e(positions)
     dx = dy  # (B, T, C)
     return (dx,)
 

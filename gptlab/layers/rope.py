@@ -23,7 +23,9 @@ adjacent pairing R(t) = M_t^T = M_(-t), with M_k chapter 2's staircase ``positio
 (e(t + k) = M_k e(t); the encoding orders each pair (sin, cos), which turns the other way).
 
 ``start`` shifts the positions to start .. start + T - 1 (new queries and keys after a KV cache
-of ``start`` positions).
+of ``start`` positions). ``positions`` gives every row its own position instead: an integer array
+(..., T) that broadcasts against x's (..., T), e.g. positions that restart at 0 with every
+document of a packed row (``gptlab.model``'s ``documents``).
 
 Backward: R(t) is orthogonal, so dx = R(t)^T dy = R(-t) dy, the rotation by -angle: the same
 lines with sin -> -sin.
@@ -36,27 +38,35 @@ from __future__ import annotations
 import math
 
 from ..backend import array_device, array_namespace
-from ..checks import require_float, require_ndim_at_least
+from ..checks import require_float, require_int, require_ndim_at_least
 from .position_sinusoidal import _frequencies
+from .sdpa import _broadcast
 
 ROPE_PAIRINGS = ("rotate_half", "adjacent")
 
 
-def rope_angles(T: int, hs: int, *, base: float = 10000.0, start: int = 0, like):
-    """(cos, sin) of the angles t * theta_i for t = start .. start + T - 1, each (T, hs/2), in the
-    namespace, dtype and device of the array ``like``. A model can compute them once per length."""
+def rope_angles(T: int, hs: int, *, base: float = 10000.0, start: int = 0, positions=None, like):
+    """(cos, sin) of the angles t * theta_i for t = start .. start + T - 1, each (T, hs/2), or for
+    t = ``positions`` (..., T), each (..., T, hs/2), in the namespace, dtype and device of the
+    array ``like``. A model can compute them once per length."""
     xp, dtype, device = array_namespace(like), like.dtype, array_device(like)
-    t = xp.arange(start, start + T, dtype=dtype, device=device)  # (T,)
-    angles = t[:, None] * _frequencies(hs, base, xp, dtype, device)[None, :]  # (T, hs/2)
-    return xp.cos(angles), xp.sin(angles)  # (T, hs/2) each
+    if positions is None:
+        t = xp.arange(start, start + T, dtype=dtype, device=device)  # (T,)
+    else:
+        t = xp.astype(positions, dtype)  # (..., T)
+    angles = t[..., None] * _frequencies(hs, base, xp, dtype, device)  # (..., T, hs/2)
+    return xp.cos(angles), xp.sin(angles)  # (..., T, hs/2) each
 
 
-def rope_forward(x, *, base: float = 10000.0, start: int = 0, pairing: str = "rotate_half"):
-    """x (..., T, hs) -> y (..., T, hs), position start + t rotated into row t; hs even."""
+def rope_forward(x, *, base: float = 10000.0, start: int = 0, positions=None,
+                 pairing: str = "rotate_half"):
+    """x (..., T, hs) -> y (..., T, hs), position start + t (or positions[..., t]) rotated into
+    row t; hs even."""
     array_namespace(x)  # an array, or a TypeError
-    _check_inputs(x, base, start, pairing)
+    _check_inputs(x, base, start, positions, pairing)
     T, hs = x.shape[-2], x.shape[-1]
-    cos, sin = rope_angles(T, hs, base=base, start=start, like=x)  # (T, hs/2) each
+    cos, sin = rope_angles(T, hs, base=base, start=start, positions=positions,
+                           like=x)  # (T, hs/2) or (..., T, hs/2) each
     y = _rotate(x, cos, sin, pairing)  # (..., T, hs)
     return y, (cos, sin, pairing)
 
@@ -95,8 +105,9 @@ def _rotate(x, cos, sin, pairing: str):
     return xp.reshape(xp.stack([y1, y2], axis=-1), tuple(x.shape))  # (..., T, hs) interleaved
 
 
-def _check_inputs(x, base, start, pairing) -> None:
-    """TypeError for a non-float x, ValueError for its shape and for the hyperparameters."""
+def _check_inputs(x, base, start, positions, pairing) -> None:
+    """TypeError for a non-float x or non-integer positions, ValueError for their shapes and for
+    the hyperparameters."""
     require_float("x", x)
     require_ndim_at_least("x", x, 2)
     if x.shape[-1] % 2 != 0:
@@ -108,3 +119,12 @@ def _check_inputs(x, base, start, pairing) -> None:
         raise ValueError(f"start must be an integer position, got {start!r}")
     if not (isinstance(base, (int, float)) and math.isfinite(base) and base > 0):
         raise ValueError(f"base must be a positive number, got {base!r}")
+    if positions is not None:
+        require_int("positions", positions)
+        if start != 0:
+            raise ValueError(f"give start or positions, not both (start={start})")
+        shape = tuple(x.shape[:-1])  # (..., T)
+        if not positions.shape or positions.shape[-1] != shape[-1] or \
+                _broadcast([positions.shape, shape]) != shape:
+            raise ValueError(f"positions has shape {tuple(positions.shape)}, which does not "
+                             f"broadcast to x's (..., T) = {shape}")  # fmt: skip

@@ -9,9 +9,14 @@ The LLaMA-style parts are written the same way: RMSNorm is ``F.rms_norm``, SwiGL
 ``F.silu(x @ w_gate) * (x @ w_up)``, grouped-query attention repeats each key/value head for its
 query heads (``repeat_interleave``, as Hugging Face's ``repeat_kv``), and rotary embeddings
 multiply complex numbers: the pair (x[i], x[i + hs/2]) is x[i] + i x[i + hs/2], turned by
-exp(i t theta_i) (``rotary``), where the package rotates real pairs. A mixture of experts runs
+exp(i t theta_i) (``rotary``), where the package rotates real pairs (Meta's "adjacent" pairing
+reads the pair (x[2i], x[2i + 1]) instead). A mixture of experts runs
 every expert on every token and weighs the outputs by gates that are zero where a token did not
 choose the expert or found it full (``_experts``), where the package gathers each expert's tokens.
+
+Packed documents: ``documents`` (B, T) hides every key of another document (``masked_fill``
+with the document ids compared), and the positions count the earlier tokens of the same
+document, unless ``positions`` (B, T) gives them.
 """
 
 from __future__ import annotations
@@ -26,24 +31,32 @@ from ..config import GPTConfig
 __all__ = ["reference_forward", "sinusoidal_table", "rotary", "relative_error"]
 
 
-def sinusoidal_table(T: int, C: int, *, dtype, device=None) -> torch.Tensor:
-    """(T, C): PE[t, 2i] = sin(t / 10000^(2i/C)), PE[t, 2i+1] = cos(t / 10000^(2i/C))."""
-    position = torch.arange(T, dtype=dtype, device=device)[:, None]  # (T, 1)
+def sinusoidal_table(T: int, C: int, *, dtype, device=None, positions=None) -> torch.Tensor:
+    """(T, C): PE[t, 2i] = sin(t / 10000^(2i/C)), PE[t, 2i+1] = cos(t / 10000^(2i/C)); with
+    ``positions`` (..., T), the rows at those positions (..., T, C)."""
+    if positions is None:
+        positions = torch.arange(T, device=device)  # (T,)
+    position = positions.to(dtype)[..., None]  # (..., T, 1)
     inv_freq = 10000.0 ** (-torch.arange(0, C, 2, dtype=dtype, device=device) / C)  # (C/2,)
-    table = torch.zeros(T, C, dtype=dtype, device=device)  # (T, C)
-    table[:, 0::2] = torch.sin(position * inv_freq)
-    table[:, 1::2] = torch.cos(position * inv_freq)
+    table = torch.zeros(*positions.shape, C, dtype=dtype, device=device)  # (..., T, C)
+    table[..., 0::2] = torch.sin(position * inv_freq)
+    table[..., 1::2] = torch.cos(position * inv_freq)
     return table
 
 
-def rotary(x, base: float = 10000.0) -> torch.Tensor:
-    """x (..., T, hs) with position t in row t -> each pair (x[i], x[i + hs/2]), read as the
-    complex number z = x[i] + i x[i + hs/2], multiplied by exp(i t theta_i),
-    theta_i = base^(-2i / hs)."""
+def rotary(x, base: float = 10000.0, positions=None, pairing: str = "rotate_half") -> torch.Tensor:
+    """x (..., T, hs) with position t in row t (or positions[..., t], (..., T)) -> each pair
+    (x[i], x[i + hs/2]) ("adjacent": (x[2i], x[2i + 1])), read as the complex number
+    z = x[i] + i x[i + hs/2], multiplied by exp(i t theta_i), theta_i = base^(-2i / hs)."""
     T, hs = x.shape[-2], x.shape[-1]
+    if positions is None:
+        positions = torch.arange(T, device=x.device)  # (T,)
     theta = base ** (-torch.arange(0, hs, 2, dtype=x.dtype, device=x.device) / hs)  # (hs/2,)
-    angle = torch.arange(T, dtype=x.dtype, device=x.device)[:, None] * theta  # (T, hs/2)
-    turn = torch.polar(torch.ones_like(angle), angle)  # (T, hs/2) exp(i t theta_i)
+    angle = positions.to(x.dtype)[..., None] * theta  # (..., T, hs/2)
+    turn = torch.polar(torch.ones_like(angle), angle)  # (..., T, hs/2) exp(i t theta_i)
+    if pairing == "adjacent":
+        z = torch.view_as_complex(x.reshape(*x.shape[:-1], hs // 2, 2).contiguous()) * turn
+        return torch.view_as_real(z).reshape(x.shape)  # (..., T, hs) pairs interleaved
     z = torch.complex(x[..., : hs // 2], x[..., hs // 2 :]) * turn  # (..., T, hs/2)
     return torch.cat([z.real, z.imag], dim=-1)  # (..., T, hs)
 
@@ -55,26 +68,30 @@ def _affine(x, p: dict, prefix: str):
     return y if bias is None else y + bias
 
 
-def _causal(q, k, v):
-    """q, k, v (B, NH, T, hs) -> the heads merged (B, T, NH*hs), each query seeing keys <= it."""
+def _causal(q, k, v, documents=None):
+    """q, k, v (B, NH, T, hs) -> the heads merged (B, T, NH*hs), each query seeing keys <= it
+    (and, with ``documents`` (B, T), only those of its own document)."""
     B, NH, T, hs = q.shape
     scores = q @ k.transpose(-2, -1) / math.sqrt(hs)  # (B, NH, T, T)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # (T, T)
-    att = scores.masked_fill(future, float("-inf")).softmax(dim=-1)  # (B, NH, T, T)
+    hidden = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # (T, T) the future
+    if documents is not None:
+        other = documents[:, None, :, None] != documents[:, None, None, :]  # (B, 1, T, T)
+        hidden = hidden | other  # (B, 1, T, T)
+    att = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)  # (B, NH, T, T)
     return (att @ v).transpose(1, 2).reshape(B, T, NH * hs)  # (B, T, NH*hs)
 
 
-def _attention(x, p: dict, prefix: str, n_head: int):
+def _attention(x, p: dict, prefix: str, n_head: int, documents=None):
     """GPT-2's causal self-attention, x (B, T, C) -> (B, T, C)."""
     B, T, C = x.shape
     hs = C // n_head
     qkv = _affine(x, p, prefix + "c_attn.")  # (B, T, 3C)
     q, k, v = qkv.split(C, dim=-1)  # (B, T, C) each
     q, k, v = (t.view(B, T, n_head, hs).transpose(1, 2) for t in (q, k, v))  # (B, NH, T, hs)
-    return _affine(_causal(q, k, v), p, prefix + "c_proj.")  # (B, T, C)
+    return _affine(_causal(q, k, v, documents), p, prefix + "c_proj.")  # (B, T, C)
 
 
-def _grouped_attention(x, p: dict, prefix: str, cfg: GPTConfig):
+def _grouped_attention(x, p: dict, prefix: str, cfg: GPTConfig, positions=None, documents=None):
     """LLaMA's attention: x (B, T, C) -> (B, T, C), kv_heads key/value heads, RoPE if asked."""
     B, T, C = x.shape
     NH, NKV, hs = cfg.n_head, cfg.kv_heads, cfg.head_size
@@ -82,10 +99,12 @@ def _grouped_attention(x, p: dict, prefix: str, cfg: GPTConfig):
     k = (x @ p[prefix + "k_proj.weight"]).view(B, T, NKV, hs).transpose(1, 2)  # (B, NKV, T, hs)
     v = (x @ p[prefix + "v_proj.weight"]).view(B, T, NKV, hs).transpose(1, 2)  # (B, NKV, T, hs)
     if cfg.position == "rope":
-        q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
+        pos = None if positions is None else positions[:, None, :]  # (B, 1, T) every head
+        q = rotary(q, cfg.rope_base, pos, cfg.rope_pairing)  # (B, NH, T, hs)
+        k = rotary(k, cfg.rope_base, pos, cfg.rope_pairing)  # (B, NKV, T, hs)
     k = k.repeat_interleave(NH // NKV, dim=1)  # (B, NH, T, hs): query head h reads k[h // G]
     v = v.repeat_interleave(NH // NKV, dim=1)  # (B, NH, T, hs)
-    return _causal(q, k, v) @ p[prefix + "o_proj.weight"]  # (B, T, C)
+    return _causal(q, k, v, documents) @ p[prefix + "o_proj.weight"]  # (B, T, C)
 
 
 def _experts(x, p: dict, prefix: str, cfg: GPTConfig):
@@ -121,14 +140,20 @@ def _mlp(x, p: dict, prefix: str, cfg: GPTConfig):
     return _affine(h, p, prefix + "c_proj.")  # (B, T, C)
 
 
-def reference_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, training: bool = False):
-    """idx (B, T) -> (logits (B, T, V), loss () or None), differentiable by torch autograd."""
+def reference_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, training: bool = False,
+                      positions=None, documents=None):
+    """idx (B, T) -> (logits (B, T, V), loss () or None), differentiable by torch autograd.
+    ``documents`` (B, T): packed documents; ``positions`` (B, T): each token's position."""
     if training and cfg.dropout > 0.0:
         raise ValueError("the reference model has no dropout: use it with cfg.dropout == 0 or "
                          "in evaluation mode (training=False)")
     B, T = idx.shape
     C = cfg.n_embd
     eps = cfg.layer_norm_epsilon
+    if documents is not None and positions is None:  # the earlier tokens of the same document
+        same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
+        earlier = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()  # (T, T)
+        positions = (same & earlier).sum(dim=-1) - 1  # (B, T)
 
     def ln(x, name):
         if cfg.norm == "rmsnorm":
@@ -137,15 +162,17 @@ def reference_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, traini
 
     def attention(x, prefix):
         if cfg.grouped_attention:
-            return _grouped_attention(x, params, prefix, cfg)
-        return _attention(x, params, prefix, cfg.n_head)
+            return _grouped_attention(x, params, prefix, cfg, positions, documents)
+        return _attention(x, params, prefix, cfg.n_head, documents)
 
     wte = params["wte.weight"]
     x = wte[idx]  # (B, T, C)
     if cfg.position == "learned":
-        x = x + params["wpe.weight"][:T]  # (B, T, C)
+        wpe = params["wpe.weight"]
+        x = x + (wpe[:T] if positions is None else wpe[positions])  # (B, T, C)
     elif cfg.position == "sinusoidal":
-        x = x + sinusoidal_table(T, C, dtype=wte.dtype, device=wte.device)  # (B, T, C)
+        x = x + sinusoidal_table(T, C, dtype=wte.dtype, device=wte.device,
+                                 positions=positions)  # (B, T, C)
     aux_losses = []
 
     def mlp(x, prefix):
