@@ -410,9 +410,9 @@ def test_a_zero_true_gradient_passes_with_round_off(oracle):
     result.assert_ok()
     for name in ("q", "k"):
         entry = result.entry(name)
-        assert np.all(entry.numeric == 0.0)  # exactly zero in exact arithmetic, and here too
+        assert np.linalg.norm(entry.numeric) < 1e-15 * entry.scale  # zero up to round-off
         assert 0.0 < np.max(np.abs(entry.analytic)) < 1e-13  # the planted round-off
-        assert plain_rel_error(entry) == 1.0  # what the error was before the floor
+        assert plain_rel_error(entry) > 0.5  # what the error was before the floor: about 1
         no_floor = gradcheck.GradcheckEntry(name, entry.analytic, entry.numeric, entry.mask)
         assert not no_floor.passed()
     assert result.rel_error("v") < TOL
