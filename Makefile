@@ -32,11 +32,15 @@ NBVAL := $(VENV)/bin/python -m pytest -n 2 --dist loadfile --nbval --nbval-curre
 UNPINNED := $(shell grep -L 'set_num_threads' book/[0-9]*.ipynb)
 
 # The unit tests (with the book built and opened in Chromium and in JupyterLab; those two skip
-# where no Chromium is installed), then every chapter three times against the same stored
+# where no Chromium is installed), the gradient-check table once more under MKL's portable
+# kernels (its exact-zero gradients must pass on any CPU), then every chapter three times against
+# the same stored
 # outputs: default kernels; MKL's portable kernels (MKL_CBWR=COMPATIBLE rounds float32 the way
 # another CPU does); and 2 threads per chapter. What a chapter prints must survive all three.
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests -n 2 --dist loadfile
+	@echo "== the gradient-check table again under MKL_CBWR=COMPATIBLE (another CPU's kernels)"
+	MKL_CBWR=COMPATIBLE $(VENV)/bin/python -m pytest tests/test_layers.py -n 2 --dist loadfile
 	@echo "== nbval 1/3: default kernels, 1 thread per chapter"
 	OMP_NUM_THREADS=1 $(NBVAL) book/
 	@echo "== nbval 2/3: MKL_CBWR=COMPATIBLE, 1 thread per chapter"

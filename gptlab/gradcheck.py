@@ -13,10 +13,30 @@ input. Two oracles give the same gradients independently:
 - ``"autograd"``: the same forward run on torch float64 tensors, differentiated by
   ``torch.autograd`` (the layers are array-API code, so torch records every operation).
 
-The figure of merit is the relative error ||a - n|| / (||a|| + ||n||) of the analytic gradient a
-against the numeric one n. In float64 a correct formula gives about 1e-8 or less; we call
-anything below 1e-7 a pass. A wrong formula (a dropped transpose, a missing term) gives an error
-of order 1.
+The figure of merit compares the analytic gradient a with the numeric one n over the checked
+elements of one input x:
+
+    error = ||a - n|| / max(||a|| + ||n||, FLOOR * s),   s = ||dout|| * ||out|| / max(||x||, 1)
+
+and anything below 1e-7 is a pass. Where the gradients have their usual size this is the
+relative error ||a - n|| / (||a|| + ||n||): in float64 a correct formula gives about 1e-8 or less,
+a wrong one (a dropped transpose, a missing term) an error of order 1. s is the size a gradient of
+x has when F, at most ||dout|| * ||out||, changes by about that much as x moves by its own size
+(taken as at least 1, so that an all-zero bias still has a scale). The floor FLOOR * s = 0.01 s
+keeps the error meaningful where the true gradient is zero or tiny: there both sides are
+round-off (for one causal query the flash backward returns 1e-17 where autograd returns 0), and
+their relative error would be of order 1 however right the formula. With the floor an input
+passes when
+
+    ||a - n|| < 1e-7 * (||a|| + ||n||)   or   ||a - n|| < 1e-9 * s,
+
+torch.autograd.gradcheck's |a - n| <= atol + rtol * |n| in norms, with an atol scaled to the
+layer. Why 0.01: finite differences carry an error of about 1e-10 s (the round-off of F divided
+by the step), which a zero gradient must pass with room to spare. The floor acts only on
+gradients a hundred times smaller than s, and no layer of the table has one besides its exact
+zeros (tests/test_layers.py checks that), so it is no weaker where it matters: an all-zero
+analytic gradient against a true one above 1e-9 s fails, and every wrong formula of the book
+fails with the same error of order one as before.
 
 Book: chapter 5, "Checking a gradient".
 """
@@ -34,9 +54,11 @@ from .backend import array_namespace, asarray_like, convert, is_floating, to_num
 from .model import gpt_backward, gpt_forward
 
 TOLERANCE = 1e-7
+FLOOR = 1e-2  # the error's denominator is at least FLOOR * s (see above)
 ORACLES = ("finite_differences", "autograd")
 
-__all__ = ["TOLERANCE", "GradcheckEntry", "GradcheckResult", "below", "check_layer", "check_model"]
+__all__ = ["FLOOR", "TOLERANCE", "GradcheckEntry", "GradcheckResult", "below", "check_layer",
+           "check_model"]
 
 
 def _fmt(x: float) -> str:
@@ -59,19 +81,22 @@ def _shown_error(error: float, tol: float) -> str:
 
 @dataclass(frozen=True, eq=False)
 class GradcheckEntry:
-    """One checked input: analytic and numeric gradient (float64, the input's shape) and the
-    boolean ``mask`` of the elements that were checked."""
+    """One checked input: analytic and numeric gradient (float64, the input's shape), the
+    boolean ``mask`` of the elements that were checked and the gradient scale
+    s = ||dout|| * ||out|| / max(||x||, 1) of the floor (0: no floor)."""
 
     name: str
     analytic: np.ndarray
     numeric: np.ndarray
     mask: np.ndarray
+    scale: float = 0.0
 
     @property
     def rel_error(self) -> float:
-        """||a - n|| / max(||a|| + ||n||, 1e-300) over the checked elements."""
+        """||a - n|| / max(||a|| + ||n||, FLOOR * s, 1e-300) over the checked elements."""
         a, n = self.analytic[self.mask], self.numeric[self.mask]
-        return float(np.linalg.norm(a - n) / max(np.linalg.norm(a) + np.linalg.norm(n), 1e-300))
+        size = np.linalg.norm(a) + np.linalg.norm(n)
+        return float(np.linalg.norm(a - n) / max(size, FLOOR * self.scale, 1e-300))
 
     @property
     def max_abs_error(self) -> float:
@@ -100,7 +125,7 @@ class GradcheckResult:
         return [entry.name for entry in self.entries]
 
     def rel_error(self, name: str) -> float:
-        """||a - n|| / max(||a|| + ||n||, 1e-300) over the checked elements of input ``name``."""
+        """||a - n|| / max(||a|| + ||n||, FLOOR * s) over the checked elements of ``name``."""
         return self.entry(name).rel_error
 
     def max_abs_error(self, name: str) -> float:
@@ -311,6 +336,17 @@ def _make_dout(out, dout, seed: int):
     return float(host) if host.ndim == 0 else asarray_like(host, out)
 
 
+def _norm(a) -> float:
+    """The Euclidean norm of an array (any backend) or a Python float, as a float."""
+    return float(np.linalg.norm(np.asarray(to_numpy(a) if is_array_api_obj(a) else a,
+                                           dtype=np.float64)))
+
+
+def _gradient_scale(out, dout, x) -> float:
+    """s = ||dout|| * ||out|| / max(||x||, 1): the size of a typical gradient of x."""
+    return _norm(dout) * _norm(out) / max(_norm(x), 1.0)
+
+
 def _analytic(backward, dout, cache, args, names, leaves) -> list[np.ndarray]:
     """Run ``backward`` and check its grads: one per float (or dict) input, each of its shape."""
     positions = _checked_positions(args)
@@ -431,8 +467,8 @@ def check_layer(forward, backward, *args, oracle: str = "finite_differences", ep
     else:
         numeric = _autograd(forward, args, hyperparams, dout, leaves)
     entries = [
-        GradcheckEntry(name, a, n, mask)
-        for (name, _, _), a, (n, mask) in zip(leaves, analytic, numeric)
+        GradcheckEntry(name, a, n, mask, _gradient_scale(out, dout, _get(args, pos, key)))
+        for (name, pos, key), a, (n, mask) in zip(leaves, analytic, numeric)
     ]
     return GradcheckResult(entries, oracle)
 
@@ -468,6 +504,6 @@ def check_model(params: dict, idx, targets, cfg, oracle: str = "autograd", max_e
         _gpt_loss, _gpt_loss_backward, params, idx, targets, oracle=oracle, seed=seed, dout=1.0,
         eps=MODEL_EPS, richardson=True, max_elements=max_elements, cfg=cfg,
     )
-    entries = [GradcheckEntry(name, e.analytic, e.numeric, e.mask)
+    entries = [GradcheckEntry(name, e.analytic, e.numeric, e.mask, e.scale)
                for name, e in zip(params, result.entries)]
     return GradcheckResult(entries, oracle)

@@ -102,11 +102,34 @@ def test_layer_grads_match_autograd_of_the_same_forward(name, make, hyper, devic
         assert relative_error(got, want) < 1e-10
 
 
+def draws_dropout(name, hyper) -> bool:
+    """Whether the layer draws a dropout mask: the dropout layer with p > 0, or any layer (a
+    block) with dropout > 0."""
+    return hyper.get("p" if name == "dropout" else "dropout", 0.0) > 0
+
+
+# A dropout mask comes from the generator of the device it is drawn on, so the same seed gives
+# different masks on the CPU and on a GPU, by design: every row that draws one (the dropout layer,
+# a block with dropout > 0) is left out of the CPU-vs-CUDA comparison.
+CUDA_ROWS = [(i, c) for i, c in zip(CASE_IDS, CASES) if not draws_dropout(c[0], c[2])]
+
+
+def test_cuda_rows_leave_out_every_dropout_draw():
+    """The dropout layer and the block with dropout 0.2 (which failed on an H100) are left out,
+    every row left out has a positive rate, and no row kept has one."""
+    kept = [case for _, case in CUDA_ROWS]
+    left_out = [case for case in CASES if case not in kept]
+    assert {name for name, _, _ in left_out} == {"dropout", "block"}
+    for name, _, hyper in left_out:
+        assert hyper.get("p", 0.0) > 0 or hyper.get("dropout", 0.0) > 0, name
+    for name, _, hyper in kept:
+        assert hyper.get("p", 0.0) == 0.0 and hyper.get("dropout", 0.0) == 0.0, name
+
+
 @CUDA
-@pytest.mark.parametrize("name, make, hyper", [c for c in CASES if c[0] != "dropout"],
-                         ids=[i for i, c in zip(CASE_IDS, CASES) if c[0] != "dropout"])  # fmt: skip
+@pytest.mark.parametrize("name, make, hyper", [c for _, c in CUDA_ROWS],
+                         ids=[i for i, _ in CUDA_ROWS])  # fmt: skip
 def test_layers_on_cuda_match_cpu_float64(name, make, hyper):
-    """(dropout masks come from each device's own generator, so they differ by design)"""
     args = make(np.random.default_rng(0))
     fn = getattr(ag, name)
     out, grads = run(fn, to_torch(args, "cuda"), hyper)

@@ -22,6 +22,7 @@ from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_fo
 from gptlab.layers.gelu import gelu_backward, gelu_forward
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
 from gptlab.layers.linear import linear_backward, linear_forward
+from gptlab.layers.sdpa import sdpa_backward, sdpa_forward
 from gptlab.layers.softmax import softmax_backward
 from gptlab.model import gpt_backward, param_shapes
 
@@ -376,3 +377,126 @@ def test_check_model_passes_on_variants(variant, oracle):
     result = check_model(params, idx, targets, cfg, oracle=oracle, max_elements=10)
     assert result.names == list(param_shapes(cfg))
     result.assert_ok()
+
+
+# --- the floor: zero and tiny true gradients ------------------------------------------------------
+
+
+def plain_rel_error(entry):
+    """||a - n|| / (||a|| + ||n||): the error without the floor."""
+    a, n = entry.analytic[entry.mask], entry.numeric[entry.mask]
+    return np.linalg.norm(a - n) / (np.linalg.norm(a) + np.linalg.norm(n))
+
+
+def sdpa_backward_with_round_off(dout, cache):
+    """sdpa_backward plus round-off of the size the inputs imply on dq and dk: a few units of
+    u * |dout| |v| |k| per element, what the flash backward returns for one causal query (there
+    dscores = att * (datt - D), and datt and D are the same sum taken in two orders)."""
+    q, k, v = cache[:3]
+    dq, dk, dv = sdpa_backward(dout, cache)
+    rng = np.random.default_rng(5)
+    size = 4 * np.finfo(np.float64).eps * np.max(np.abs(dout)) * np.max(np.abs(v))
+    return (dq + size * np.max(np.abs(k)) * rng.standard_normal(dq.shape),
+            dk + size * np.max(np.abs(q)) * rng.standard_normal(dk.shape), dv)
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+def test_a_zero_true_gradient_passes_with_round_off(oracle):
+    """One causal query sees one key: att = 1 whatever q and k, so dq and dk are exactly 0. A
+    backward that returns round-off there passes; without the floor its error would be 1."""
+    q, k, v = inputs([(2, 3, 1, 4), (2, 3, 1, 4), (2, 3, 1, 2)])
+    result = check_layer(sdpa_forward, sdpa_backward_with_round_off, q, k, v, oracle=oracle,
+                         causal=True)
+    result.assert_ok()
+    for name in ("q", "k"):
+        entry = result.entry(name)
+        assert np.linalg.norm(entry.numeric) < 1e-15 * entry.scale  # zero up to round-off
+        assert 0.0 < np.max(np.abs(entry.analytic)) < 1e-13  # the planted round-off
+        assert plain_rel_error(entry) > 0.5  # what the error was before the floor: about 1
+        no_floor = gradcheck.GradcheckEntry(name, entry.analytic, entry.numeric, entry.mask)
+        assert not no_floor.passed()
+    assert result.rel_error("v") < TOL
+
+
+def zero_grad_for(backward, index):
+    """``backward`` with the gradient of input ``index`` replaced by zeros."""
+
+    def wrong(dout, cache):
+        grads = list(backward(dout, cache))
+        grads[index] = np.zeros_like(grads[index])
+        return tuple(grads)
+
+    return wrong
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+@pytest.mark.parametrize("case", CASES)
+def test_a_zero_analytic_gradient_fails(case, oracle):
+    """A backward that returns zeros for one input fails on that input, with error 1: the floor
+    never reaches a gradient of the usual size."""
+    forward, backward, shapes, hyper = CASES[case]
+    args = inputs(shapes)
+    for index in range(len(shapes)):
+        result = check_layer(forward, zero_grad_for(backward, index), *args, oracle=oracle,
+                             **hyper)
+        entry = result.entries[index]
+        assert not entry.passed() and entry.rel_error == 1.0, entry.name
+        assert result.passed() is False
+
+
+def shift_forward(x, c):
+    """y = x + 1e-6 c: the gradient of c is a millionth of the size s gives it."""
+    return x + 1e-6 * c, None
+
+
+def shift_backward(dy, cache):
+    return dy, 1e-6 * dy
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+def test_a_zero_analytic_gradient_fails_against_a_tiny_true_one(oracle):
+    """Where the floor does act (a true gradient far below s) a zero analytic gradient still
+    fails: the test is ||a - n|| < 1e-9 s, and this gradient is about 1e-6 s."""
+    x, c = inputs([(3, 5), (3, 5)])
+    right = check_layer(shift_forward, shift_backward, x, c, oracle=oracle)
+    right.assert_ok()
+    entry = right.entry("c")
+    assert np.linalg.norm(entry.numeric) < 1e-5 * entry.scale  # the floor acts here
+    wrong = check_layer(shift_forward, zero_grad_for(shift_backward, 1), x, c, oracle=oracle)
+    assert wrong.rel_error("c") > 100 * TOL
+    assert wrong.entry("c").rel_error < plain_rel_error(wrong.entry("c"))  # floored, still FAIL
+
+
+def gelu_backward_forgets_dout(dy, cache):
+    """Chapter 5, exercise 1: the gradient of sum(out), whatever dout is."""
+    return gelu_backward(np.ones_like(dy), cache)
+
+
+PLANTED = {  # name: (forward, wrong backward, input shapes, hyperparameters, the inputs it breaks)
+    "draft attention": (attention_single_forward, draft_attention_single_backward,
+                        ATTENTION_SHAPES, {}, ["X", "A"]),
+    "draft attention, causal": (attention_single_forward, draft_attention_single_backward,
+                                ATTENTION_SHAPES, {"causal": True}, ["X", "A"]),
+    "dropped transpose": (linear_forward, dropped_transpose_linear_backward,
+                          [(2, 3, 4), (4, 4), (4,)], {}, ["x"]),
+    "forgotten scale": (attention_single_forward, attention_single_backward_without_scale,
+                        [(4, 3), (4, 4), (4, 4), (4, 4)], {}, ["X", "A", "B"]),
+    "LayerNorm without its mean term": (layernorm_forward, layernorm_backward_without_mean_term,
+                                        [(2, 3, 5), (5,), (5,)], {}, ["x"]),
+    "GELU that forgets dout": (gelu_forward, gelu_backward_forgets_dout, [(4, 6)], {}, ["x"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+@pytest.mark.parametrize("bug", PLANTED)
+def test_planted_bugs_fail_as_before(bug, oracle):
+    """Every wrong formula of the book fails on exactly the inputs it breaks, with the same error
+    as without the floor (which stays below their gradients' size), an error of order one."""
+    forward, backward, shapes, hyper, broken = PLANTED[bug]
+    result = check_layer(forward, backward, *inputs(shapes), oracle=oracle, **hyper)
+    assert [entry.name for entry in result.entries if not entry.passed()] == broken
+    for entry in result.entries:
+        size = np.linalg.norm(entry.analytic) + np.linalg.norm(entry.numeric)
+        assert size > 10 * gradcheck.FLOOR * entry.scale, entry.name
+        if entry.name in broken:
+            assert entry.rel_error == plain_rel_error(entry) > WRONG

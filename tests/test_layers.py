@@ -32,7 +32,7 @@ from conftest import (
 from gptlab.backend import array_device
 from gptlab.backend import asarray_like  # the rotation stand-in of the gqa rows
 from gptlab.backend import array_namespace
-from gptlab.gradcheck import GradcheckEntry, GradcheckResult, check_layer
+from gptlab.gradcheck import FLOOR, GradcheckEntry, GradcheckResult, check_layer
 from gptlab.layers.attention import (
     attention_backward,
     attention_forward,
@@ -145,9 +145,14 @@ def _block_params(rng, bias=True):
     return p
 
 
-def _attention_args(rng):
-    return (_normal(rng, B, T, C), 0.5 * _normal(rng, C, 3 * C), _normal(rng, 3 * C),
-            _normal(rng, C, C), _normal(rng, C))  # fmt: skip
+def _attention_args(rng, batch=B, t=T, c=C):
+    return (_normal(rng, batch, t, c), 0.5 * _normal(rng, c, 3 * c), _normal(rng, 3 * c),
+            _normal(rng, c, c), _normal(rng, c))  # fmt: skip
+
+
+# B = NH = 2 in the rows above, so a backward that reads the batch axis for the head axis would
+# pass them: these rows have batch 3, 2 heads, 5 positions and head size 4 (C = 8), all different
+ASYM_B, ASYM_NH, ASYM_T, ASYM_C = 3, 2, 5, 8
 
 
 def _attention_single_args(*batch):
@@ -317,13 +322,21 @@ def _logprobs(rng, *shape):
 
 
 def _ppo_args(rng, clip_eps=0.2):
-    """logp, old_logp, advantages (B, T) with every ratio at least 0.05 away from the clip edges
-    1 - eps and 1 + eps, and every advantage at least 0.3 away from 0: no finite-difference step
-    then switches a branch of the min or the clip."""
+    """logp, old_logp, advantages (B, T) = (2, 3): each of the six actions is one combination of
+    the advantage's sign with a ratio below, inside or above [1 - eps, 1 + eps] (in shuffled
+    places), so every branch of the min and the clip carries gradient: below with A > 0 and above
+    with A < 0 take the unclipped term, below with A < 0 and above with A > 0 the clipped one.
+    Every ratio is at least 0.05 from the edges and every advantage at least 0.3 from 0: no
+    finite-difference step switches a branch."""
     old_logp = _logprobs(rng, B, T)
-    ratio = rng.choice([0.5, 1.0 - clip_eps - 0.1, 0.95, 1.05, 1.0 + clip_eps + 0.1, 1.8], (B, T))
-    advantages = _normal(rng, B, T)
-    return old_logp + np.log(ratio), old_logp, np.sign(advantages) * (0.3 + np.abs(advantages))
+    sides = {"below": (0.5, 1.0 - clip_eps - 0.1), "inside": (0.95, 1.05),
+             "above": (1.0 + clip_eps + 0.1, 1.8)}  # fmt: skip
+    combos = [(sign, side) for sign in (1.0, -1.0) for side in sides]  # the B * T = 6 actions
+    ratio = np.array([rng.choice(sides[side]) for _, side in combos])  # (6,)
+    advantages = np.array([sign for sign, _ in combos]) * (0.3 + np.abs(_normal(rng, B * T)))
+    order = rng.permutation(B * T)  # (6,)
+    ratio, advantages = ratio[order].reshape(B, T), advantages[order].reshape(B, T)
+    return old_logp + np.log(ratio), old_logp, advantages
 
 
 CASES = [
@@ -372,6 +385,12 @@ CASES = [
          {"n_head": NH, "causal": False}),
     Case("attention_causal", attention_forward, attention_backward, _attention_args,
          {"n_head": NH, "causal": True}),
+    Case("multihead_B3_causal", multihead_forward, multihead_backward,
+         lambda rng: (_normal(rng, ASYM_B, ASYM_T, 3 * ASYM_C),),
+         {"n_head": ASYM_NH, "causal": True}),
+    Case("attention_B3", attention_forward, attention_backward,
+         lambda rng: _attention_args(rng, ASYM_B, ASYM_T, ASYM_C),
+         {"n_head": ASYM_NH, "causal": False}),
     Case("sdpa", sdpa_forward, sdpa_backward, _sdpa_args((B, NH), T, T), {"causal": False}),
     Case("sdpa_causal", sdpa_forward, sdpa_backward, _sdpa_args((B, NH), T, T), {"causal": True}),
     Case("sdpa_T1", sdpa_forward, sdpa_backward, _sdpa_args((B, NH), 1, 1), {"causal": True}),
@@ -386,6 +405,14 @@ CASES = [
     Case("sdpa_lead3_scale", sdpa_forward, sdpa_backward,
          _sdpa_args((2, 1, 2), T, T, kv_lead=(2, 2, 1), mask_lead=()), {"scale": 0.3}),
     Case("sdpa_no_lead", sdpa_forward, sdpa_backward, _sdpa_args((), 3, 4, hv=1), {"causal": True}),
+    # leading dims that differ in number: the gradients of the input with fewer are summed over
+    # the extra ones (batch 2, 4 heads, Tq 5, Tk 6, hs 3, hv 1: no two sizes alike)
+    Case("sdpa_kv_without_lead", sdpa_forward, sdpa_backward,
+         _sdpa_args((2, 4), 5, 6, kv_lead=(), hv=1), {"causal": True}),
+    Case("sdpa_kv_one_lead_fewer_mask", sdpa_forward, sdpa_backward,
+         _sdpa_args((2, 4), 5, 6, kv_lead=(4,), hv=1, mask_lead=(4,)), {"causal": False}),
+    Case("sdpa_q_one_lead_fewer", sdpa_forward, sdpa_backward,
+         _sdpa_args((4,), 5, 6, kv_lead=(2, 4), hv=1), {"causal": True}),
     Case("gqa_multihead", gqa_forward, gqa_backward, _gqa_args(2, 2, T, T), {"causal": True}),
     Case("gqa_grouped", gqa_forward, gqa_backward, _gqa_args(4, 2, T, T), {"causal": False}),
     Case("gqa_grouped_Tq_lt_Tk_causal", gqa_forward, gqa_backward, _gqa_args(4, 2, 2, 4),
@@ -486,6 +513,11 @@ CASES = [
          {"causal": True, "scale": 0.7, "block_q": 2, "block_k": 2}),
     Case("flash_attention_T1", flash_attention_forward, flash_attention_backward,
          _sdpa_args((B, NH), 1, 1), {"causal": True}),
+    Case("flash_attention_kv_without_lead", flash_attention_forward, flash_attention_backward,
+         _sdpa_args((2, 4), 5, 6, kv_lead=(), hv=1), {"causal": True, "block_q": 2, "block_k": 4}),
+    Case("flash_attention_q_one_lead_fewer", flash_attention_forward, flash_attention_backward,
+         _sdpa_args((4,), 5, 6, kv_lead=(2, 4), hv=1), {"causal": False, "block_q": 3,
+                                                        "block_k": 4}),
     Case("chunked_classifier", chunked_classifier_forward, chunked_classifier_backward,
          lambda rng: (_normal(rng, B, T, C), _normal(rng, V, C), _ids(rng, V, B, T)),
          {"chunk_size": 4}),
@@ -570,7 +602,7 @@ def test_float32_torch_matches_autograd(case):
     for grad, entry in zip(grads, oracle.entries, strict=True):
         assert grad.dtype == torch.float32, f"the gradient for {entry.name} is {grad.dtype}"
         entries.append(GradcheckEntry(entry.name, to_host(grad).astype(np.float64), entry.numeric,
-                                      entry.mask))  # fmt: skip
+                                      entry.mask, entry.scale))  # fmt: skip
     GradcheckResult(entries, "autograd").assert_ok(TOL_FLOAT32)
 
 
@@ -579,6 +611,30 @@ def test_float32_torch_matches_autograd(case):
 def test_backward_on_cuda_matches_autograd(case, cuda_backend):
     result = gradcheck(case, cuda_backend, "autograd")
     result.assert_ok(TOL_FLOAT64)
+
+
+# The inputs whose true gradient is exactly zero: one causal query sees one key, so att = 1
+# whatever q and k. Every other input of the table has a true gradient well above the floor.
+ZERO_GRADIENTS = {("sdpa_T1", "q"), ("sdpa_T1", "k"), ("flash_attention_T1", "q"),
+                  ("flash_attention_T1", "k")}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_every_row_is_well_posed(case):
+    """The audit of issue 22 (single tokens, masked keys, key biases, unchosen experts): each
+    input's true gradient is either exactly zero (ZERO_GRADIENTS, where the floor lets round-off
+    pass) or larger than the floor FLOOR * s, so that its error is the plain relative error and
+    a backward that returned zeros for it would fail."""
+    result = gradcheck(case, get_backend("numpy"), "autograd")
+    for entry in result.entries:
+        size = np.linalg.norm(entry.numeric)
+        if (case.id, entry.name) in ZERO_GRADIENTS:
+            assert size < 1e-12 * entry.scale, entry.name
+            continue
+        assert size > FLOOR * entry.scale, f"{entry.name}: {size:.2g} vs s = {entry.scale:.2g}"
+        zero = GradcheckEntry(entry.name, np.zeros_like(entry.numeric), entry.numeric, entry.mask,
+                              entry.scale)  # fmt: skip
+        assert not zero.passed(), entry.name
 
 
 # --------------------------------------------------------------------------------------------

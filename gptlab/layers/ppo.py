@@ -13,9 +13,14 @@ is zero, so one batch of samples cannot pull the policy far from the one that dr
 Backward, with s = min(...) and ``take`` where the unclipped term is the min (ties included):
 
     ds = -dloss / n
-    dratio = ds * A * take + ds * A * inside * (1 - take)    inside: 1 - eps < ratio < 1 + eps
+    dratio = ds * A * take
     dA = ds * ratio * take + ds * clip(ratio) * (1 - take)
     dlogp = dratio * ratio,  dold_logp = -dlogp
+
+The clipped term reaches ratio only through clip, whose slope is 1 inside [1 - eps, 1 + eps] and
+0 outside. But inside, clip is the identity, the two terms are equal and the tie goes to the
+unclipped one: the clipped term wins only outside, where its slope is 0. So dratio has no second
+term, and the clip needs no mask.
 
 Book: chapter 22, "RLHF with PPO".
 """
@@ -58,16 +63,15 @@ def ppo_backward(dloss, cache):
     xp = array_namespace(cache["ratio"])
     ratio, clipped_ratio, A, take = (cache[k] for k in ("ratio", "clipped_ratio", "advantages",
                                                         "take"))  # fmt: skip
-    eps = cache["clip_eps"]
     # loss = -mean(where(take, unclipped, clipped))
     ds = -dloss / math.prod(ratio.shape)
     keep = xp.astype(take, ratio.dtype)  # (...) 1 where the unclipped term is the min
     dunclipped, dclipped = ds * keep, ds * (1.0 - keep)  # (...)
     # unclipped, clipped = ratio * A, clipped_ratio * A
     dA = dunclipped * ratio + dclipped * clipped_ratio  # (...)
-    # clipped_ratio = clip(ratio, 1 - eps, 1 + eps): slope 1 inside, 0 outside
-    inside = xp.astype((ratio > 1.0 - eps) & (ratio < 1.0 + eps), ratio.dtype)  # (...)
-    dratio = (dunclipped + dclipped * inside) * A  # (...)
+    # clipped_ratio = clip(ratio, 1 - eps, 1 + eps): slope 1 inside, 0 outside; dclipped is 0
+    # inside (there the terms tie and take is True), so only the unclipped term reaches ratio
+    dratio = dunclipped * A  # (...)
     # ratio = exp(logp - old_logp)
     dlogp = dratio * ratio  # (...)
     return dlogp, -dlogp, dA
