@@ -420,6 +420,30 @@ def test_optimizer_kind_mismatch(tmp_path):
         ckpt.restore_optimizer(AdamW(fewer))
 
 
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.999)),
+    lambda params: TorchAdamW(params, lr=1e-2, betas=(0.8, 0.99)),
+], ids=["torch.optim.AdamW", "TorchAdamW"])  # fmt: skip
+def test_optimizer_settings_round_trip_exactly(make_optimizer):
+    """Every setting of every parameter group comes back as it was, of the same type: the betas
+    a tuple, not the list that JSON would make of it."""
+    model = GPT(CFG, seed=0, dtype="float64")
+    opt = make_optimizer(param_groups(model.params, 0.1))
+    _train_gpt(model, opt, range(2))
+    buffer = io.BytesIO()
+    save_checkpoint(buffer, model.params, opt, step=2, config=CFG)
+    ckpt = load_checkpoint(_rewind(buffer), backend="torch")
+    resumed = make_optimizer(param_groups(GPT(CFG, ckpt.params).params, 0.1))
+    resumed.param_groups[0]["betas"] = (0.5, 0.5)  # the checkpoint's must win
+    ckpt.restore_optimizer(resumed)
+    for saved, restored in zip(opt.param_groups, resumed.param_groups, strict=True):
+        settings = {key: value for key, value in saved.items() if key != "params"}
+        assert {key: restored[key] for key in settings} == settings
+        assert {key: type(restored[key]) for key in settings} == {
+            key: type(value) for key, value in settings.items()}
+        assert type(restored["betas"]) is tuple
+
+
 @requires_cuda
 def test_file_round_trip_onto_cuda(tmp_path):
     model = GPT(CFG, seed=0, dtype="float64", device="cuda")
