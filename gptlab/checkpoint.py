@@ -66,7 +66,8 @@ STATE_FILE = "state.json"
 TOKENIZER_FILE = "tokenizer.json"
 LOCK_FILE = "run.lock"
 WEIGHT_PATTERNS = ("model-*.safetensors", "optimizer-*.safetensors", "shard-*.safetensors",
-                   "index-*.json", "tokenizer*.json", ".*.tmp-*")  # what a save may remove
+                   "index-*.json", "tokenizer.json", "tokenizer-[0-9]*.json",
+                   ".*.tmp-*")  # the files a save may remove once they are named no more
 OPTIMIZER_BUFFERS = {AdamW.kind: AdamW.buffers, SGD.kind: SGD.buffers}
 
 
