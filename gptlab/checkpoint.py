@@ -4,7 +4,8 @@ One file, the checkpoint of a library user (``save_checkpoint`` / ``load_checkpo
 parameters, the optimizer's state (a ``gptlab.optim`` optimizer, functional or torch.optim, or
 any ``torch.optim.Optimizer``), the step and the GPTConfig, in ONE safetensors payload: the
 parameters under their GPT-2 names, the optimizer's tensors under ``optimizer/...``, everything
-else as JSON in the header's metadata. It goes to a path (written atomically) or to a binary file
+else as JSON in the header's metadata, with the sha256 of the tensors (checked on load). The
+optimizer's settings come back as they were saved, tuples (AdamW's betas) as tuples. It goes to a path (written atomically) or to a binary file
 object (``io.BytesIO``, a file opened with "wb").
 
 A training run directory (``save_run_checkpoint`` / ``load_run_checkpoint``, used by
@@ -95,9 +96,23 @@ def atomic_write(path, data: bytes) -> None:
             os.close(fd)
 
 
+def _host(arrays: dict) -> dict[str, np.ndarray]:
+    return {name: np.ascontiguousarray(to_numpy(x)) for name, x in arrays.items()}
+
+
 def _safetensors_bytes(arrays: dict, metadata: dict[str, str]) -> bytes:
-    host = {name: np.ascontiguousarray(to_numpy(x)) for name, x in arrays.items()}
-    return safetensors_bytes(host, metadata=metadata)
+    return safetensors_bytes(_host(arrays), metadata=metadata)
+
+
+def _tensors_sha256(tensors: dict[str, np.ndarray]) -> str:
+    """The sha256 of the tensors' names, dtypes, shapes and bytes, in name order: the checksum a
+    single-file checkpoint carries in its own header."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        x = tensors[name]
+        digest.update(f"{name}:{x.dtype.str}:{x.shape}:".encode("utf-8"))
+        digest.update(np.ascontiguousarray(x).tobytes())
+    return digest.hexdigest()
 
 
 def _safetensors_problem(data: bytes) -> str:
@@ -230,11 +245,13 @@ def save_checkpoint(target, params: dict, optimizer=None, step: int = 0,
     if optimizer is not None:
         header["optimizer"], optimizer_tensors = _optimizer_payload(optimizer)
         tensors.update({OPTIMIZER_PREFIX + key: x for key, x in optimizer_tensors.items()})
+    tensors = _host(tensors)
+    header["tensors_sha256"] = _tensors_sha256(tensors)
     try:
         metadata = {"format": FILE_FORMAT, "gptlab": json.dumps(_json_tuples(header))}
     except TypeError as err:
         raise ValueError(f"the optimizer's state is not JSON-friendly: {err}") from err
-    data = _safetensors_bytes(tensors, metadata)
+    data = safetensors_bytes(tensors, metadata=metadata)
     if to_path:
         atomic_write(target, data)
     else:
@@ -325,6 +342,10 @@ def load_checkpoint(source, backend: str = "numpy", dtype=None, device=None) -> 
             check_params(params, config)
         except (ValueError, TypeError) as err:
             raise ValueError(f"{name}: {err}") from err
+    recorded = header.get("tensors_sha256")  # None: a file of a gptlab that did not record it
+    if recorded is not None and recorded != _tensors_sha256(tensors):
+        raise ValueError(f"{name}: its tensors do not match the sha256 its header records: the "
+                         "file was damaged or changed after it was saved")
     params = {n: convert(x, backend, dtype=dtype, device=device) for n, x in params.items()}
     if optimizer is None:
         return Checkpoint(params, step, config, None, None, name)

@@ -420,6 +420,19 @@ def test_optimizer_kind_mismatch(tmp_path):
         ckpt.restore_optimizer(AdamW(fewer))
 
 
+def test_file_with_changed_tensor_bytes_is_refused(tmp_path):
+    """4,000 zero bytes written over the tensors of a single-file checkpoint: its header's
+    sha256 no longer matches, and the load names the file."""
+    path, _ = _saved(tmp_path)
+    data = path.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little") + 64
+    assert any(data[start:start + 4000])
+    path.write_bytes(data[:start] + bytes(4000) + data[start + 4000:])
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: its tensors do not match the "
+                                         "sha256 its header records"):
+        load_checkpoint(path)
+
+
 @pytest.mark.parametrize("make_optimizer", [
     lambda params: torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.999)),
     lambda params: TorchAdamW(params, lr=1e-2, betas=(0.8, 0.99)),
