@@ -5,8 +5,8 @@ parameters, the optimizer's state (a ``gptlab.optim`` optimizer, functional or t
 any ``torch.optim.Optimizer``), the step and the GPTConfig, in ONE safetensors payload: the
 parameters under their GPT-2 names, the optimizer's tensors under ``optimizer/...``, everything
 else as JSON in the header's metadata, with the sha256 of the tensors (checked on load). The
-optimizer's settings come back as they were saved, tuples (AdamW's betas) as tuples. It goes to a path (written atomically) or to a binary file
-object (``io.BytesIO``, a file opened with "wb").
+optimizer's settings come back as they were saved, tuples (AdamW's betas) as tuples. It goes to
+a path (written atomically) or to a binary file object (``io.BytesIO``, a file opened "wb").
 
 A training run directory (``save_run_checkpoint`` / ``load_run_checkpoint``, used by
 ``gptlab.train``) holds
