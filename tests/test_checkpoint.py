@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -84,10 +85,10 @@ def test_new_save_replaces_old_files(tmp_path):
     assert load_run_checkpoint(tmp_path).step == 2
 
 
-def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    """Kill the save after the new weights are written but before state.json is: step 1 loads."""
-    params1, opt1 = _trained(1)
-    _save(tmp_path, 1, params1, opt1)
+@contextmanager
+def killed_at_state_json(monkeypatch):
+    """A save in the block dies (KeyboardInterrupt) as it comes to write state.json, every
+    other file of its checkpoint written: what SIGKILL at the worst moment leaves."""
     real_write = ckpt_module.atomic_write
 
     def crash_on_state(path, data):
@@ -97,8 +98,16 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt_module, "atomic_write", crash_on_state)
     with pytest.raises(KeyboardInterrupt):
-        _save(tmp_path, 2, *_trained(2))
+        yield
     monkeypatch.undo()
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """Kill the save after the new weights are written but before state.json is: step 1 loads."""
+    params1, opt1 = _trained(1)
+    _save(tmp_path, 1, params1, opt1)
+    with killed_at_state_json(monkeypatch):
+        _save(tmp_path, 2, *_trained(2))
     ckpt = load_run_checkpoint(tmp_path)
     assert ckpt.step == 1
     _assert_same(ckpt.params, params1)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_checkpoint import killed_at_state_json
 
 import gptlab.checkpoint as ckpt_module
 from gptlab.checkpoint import STATE_FILE
@@ -142,17 +143,8 @@ def test_overwrite_keeps_the_old_checkpoint_until_the_new_one_is_complete(tiny, 
     """A new run (another seed) over a run of the same step, killed as it writes state.json:
     the old checkpoint loads, whole. Finished, the new one replaces it and nothing else stays."""
     saved = weights(one)
-    real_write = ckpt_module.atomic_write
-
-    def killed_at_state(path, data):
-        if path.name == STATE_FILE:
-            raise KeyboardInterrupt("killed")
-        real_write(path, data)
-
-    monkeypatch.setattr(ckpt_module, "atomic_write", killed_at_state)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_state_json(monkeypatch):
         main(["train", *tiny, f"--out-dir={one}", "--overwrite", "--seed=3"])
-    monkeypatch.undo()
     assert_loads_as(one, saved)
     code, err = gptlab(capsys, "train", *tiny, f"--out-dir={one}", "--overwrite", "--seed=3")
     assert code == 0, err
@@ -328,17 +320,8 @@ def test_corrupt_metadata_gives_a_clear_error_naming_the_file(tiny, run, file, d
 def test_resume_on_one_process_removes_old_shards_only_once_complete(tiny, sharded, capsys,
                                                                      monkeypatch):
     saved, before = weights(sharded), sorted(p.name for p in sharded.iterdir())
-    real_write = ckpt_module.atomic_write
-
-    def killed_at_state(path, data):
-        if path.name == STATE_FILE:
-            raise KeyboardInterrupt("killed")
-        real_write(path, data)
-
-    monkeypatch.setattr(ckpt_module, "atomic_write", killed_at_state)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_state_json(monkeypatch):
         main(["train", *tiny, f"--out-dir={sharded}", "--resume", "--max-iters=5"])
-    monkeypatch.undo()
     assert set(before) <= {p.name for p in sharded.iterdir()}
     assert_loads_as(sharded, saved)
     code, err = gptlab(capsys, "train", *tiny, f"--out-dir={sharded}", "--resume",
