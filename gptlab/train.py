@@ -501,13 +501,13 @@ def _check_resume(cfg: TrainConfig, ckpt, out_dir: Path, data_sha256: str, sourc
     state_path = out_dir / STATE_FILE
     require_fields(ckpt.state, {"history": list, "batch_rng_state": dict, "data_sha256": str,
                                 "train_config": dict}, state_path)
-    if cfg.tokenizer_path is not None:
-        tokenizer_file = Path(cfg.tokenizer_path)
-        sha256 = hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()
+    if cfg.tokenizer_path is not None:  # compared as saved: the same JSON for the same tokenizer
+        saved_as = load_tokenizer(cfg.tokenizer_path).to_json().encode("utf-8")
         recorded = recorded_sha256(out_dir, ckpt.state, ckpt.state["tokenizer_file"])
-        if recorded is not None and sha256 != recorded:
-            raise ValueError(f"cannot resume {out_dir}: the tokenizer {tokenizer_file} is not the "
-                             f"one it was trained with ({out_dir / ckpt.state['tokenizer_file']})")
+        if recorded is not None and hashlib.sha256(saved_as).hexdigest() != recorded:
+            raise ValueError(f"cannot resume {out_dir}: the tokenizer {cfg.tokenizer_path} is not "
+                             f"the one it was trained with, "
+                             f"{out_dir / ckpt.state['tokenizer_file']}")
     model_cfg = cfg.model_config(ckpt.tokenizer.vocab_size)
     if ckpt.model_config != model_cfg:
         raise ValueError(f"cannot resume {out_dir}: its model is {ckpt.model_config}, "

@@ -256,6 +256,10 @@ def test_a_tokenizer_of_another_corpus_is_refused(tiny, one, tmp_path, capsys):
                            "not the tokenizer this checkpoint was trained with")
     (one / "tokenizer.json").write_bytes(own)
     assert_loads_as(one, saved)
+    (tmp_path / "own.json").write_bytes(own)  # its own tokenizer, named again: accepted
+    code, err = gptlab(capsys, "train", *tiny, f"--out-dir={one}", "--resume", "--max-iters=5",
+                       f"--tokenizer-path={tmp_path / 'own.json'}")
+    assert code == 0, err
 
 
 def _edit_json(path: Path, edit) -> None:
