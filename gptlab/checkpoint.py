@@ -358,6 +358,7 @@ def load_checkpoint(source, backend: str = "numpy", dtype=None, device=None) -> 
 
 
 def sha256_of(data: bytes) -> str:
+    """The checksum that state.json and the index record for a file: sha256 of its bytes."""
     return hashlib.sha256(data).hexdigest()
 
 
