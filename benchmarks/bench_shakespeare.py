@@ -125,7 +125,7 @@ def run_seed(data: Path, seed: int, eval_iters: int, chunk: int, max_iters: int,
             cfg = recipe(str(data), backend, out_dir, eval_iters, chunk, seed)
             cfg.max_iters, cfg.resume = stop, start > 0
             wall, cpu = time.perf_counter(), time.process_time()
-            results[backend] = train(cfg, progress=False)
+            results[backend] = train(cfg, progress=False, overwrite=not cfg.resume)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             times[backend]["wall_s"] += wall
             times[backend]["cpu_s"] += cpu

@@ -163,7 +163,7 @@ def run_seed(data: str | None, seed: int, fields: dict, iters: int, chunk: int, 
                                seed, data)  # fmt: skip
             cfg.max_iters, cfg.eval_interval, cfg.resume = stop, chunk, start > 0
             wall = time.perf_counter()
-            results[name] = train(cfg, progress=False)
+            results[name] = train(cfg, progress=False, overwrite=not cfg.resume)
             wall = time.perf_counter() - wall
             chunks[name].append({"steps": [start, stop], "wall_s": round(wall, 3),
                                  "tokens_per_s": (stop - start) * BATCH_SIZE * BLOCK_SIZE / wall})

@@ -4,8 +4,9 @@ One file, the checkpoint of a library user (``save_checkpoint`` / ``load_checkpo
 parameters, the optimizer's state (a ``gptlab.optim`` optimizer, functional or torch.optim, or
 any ``torch.optim.Optimizer``), the step and the GPTConfig, in ONE safetensors payload: the
 parameters under their GPT-2 names, the optimizer's tensors under ``optimizer/...``, everything
-else as JSON in the header's metadata. It goes to a path (written atomically) or to a binary file
-object (``io.BytesIO``, a file opened with "wb").
+else as JSON in the header's metadata, with the sha256 of the tensors (checked on load). The
+optimizer's settings come back as they were saved, tuples (AdamW's betas) as tuples. It goes to
+a path (written atomically) or to a binary file object (``io.BytesIO``, a file opened "wb").
 
 A training run directory (``save_run_checkpoint`` / ``load_run_checkpoint``, used by
 ``gptlab.train``) holds
@@ -14,23 +15,34 @@ A training run directory (``save_run_checkpoint`` / ``load_run_checkpoint``, use
     optimizer-<step>.safetensors  the optimizer's moments ("m.<name>", "v.<name>", ...)
     tokenizer.json                the tokenizer (``gptlab.tokenizer.load_tokenizer``)
     state.json                    step, configs, RNG state, loss history, float16's loss
-                                  scale (train's ``extra``), and the file names
+                                  scale (train's ``extra``), the file names and the sha256 of
+                                  each file it names (the tokenizer's binds it to the weights)
 
 Every file is written atomically (a temporary file in the same directory, fsync, ``os.replace``)
-and ``state.json`` goes last. The weight files carry the step in their names, so a new save
-never overwrites the files the current ``state.json`` names: a crash (even SIGKILL) at any point
-of a save leaves the previous checkpoint whole. Files of older steps are removed only after the
-new ``state.json`` is in place.
+and ``state.json`` goes last. A save never replaces a file with other bytes: a name that is
+taken by other content (the same step of an earlier run that ``--overwrite`` replaces, another
+tokenizer) gets a suffix, ``model-<step>-1.safetensors``. So a crash (even SIGKILL) at any
+point of a save leaves the previous checkpoint whole, and the files it alone names are removed
+only after the new ``state.json`` is in place.
 
-Unreadable files raise errors that name the file and the problem (missing, empty, truncated, not
-safetensors, not a gptlab checkpoint, tensors that do not fit the config).
+Loading verifies what each file records (format, step; rank, world size and mode for shards)
+and its sha256 against state.json (or the index), and raises ValueError naming the file and the
+problem (missing, empty, truncated, changed bytes, not safetensors, not a gptlab checkpoint,
+metadata missing a field, tensors that do not fit the config).
+
+One run at a time (``claim_run_dir``): a run holds a lock on its directory (``run.lock``, an
+flock, the holder's pid inside) and refuses a directory that holds anything without ``resume``
+or ``overwrite``.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import io
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,15 +54,22 @@ from safetensors.numpy import save as safetensors_bytes
 from .backend import convert, to_numpy
 from .config import GPTConfig
 from .model import check_params
+from .optim import SGD, AdamW
 from .tokenizer import Tokenizer, load_tokenizer
 
 FORMAT = "gptlab-checkpoint"  # the weight files and state.json of a training run directory
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checksums in state.json and the index, rank/world size/mode in shards
+READABLE_VERSIONS = (1, 2)  # version 1 (no checksums) still loads, unverified
 FILE_FORMAT = "gptlab-checkpoint-file"  # the single-file checkpoint
 FILE_FORMAT_VERSION = 1
 OPTIMIZER_PREFIX = "optimizer/"  # the optimizer's tensors in a single-file checkpoint
 STATE_FILE = "state.json"
 TOKENIZER_FILE = "tokenizer.json"
+LOCK_FILE = "run.lock"
+WEIGHT_PATTERNS = ("model-*.safetensors", "optimizer-*.safetensors", "shard-*.safetensors",
+                   "index-*.json", "tokenizer.json", "tokenizer-[0-9]*.json",
+                   ".*.tmp-*")  # the files a save may remove once they are named no more
+OPTIMIZER_BUFFERS = {AdamW.kind: AdamW.buffers, SGD.kind: SGD.buffers}
 
 
 def atomic_write(path, data: bytes) -> None:
@@ -77,9 +96,23 @@ def atomic_write(path, data: bytes) -> None:
             os.close(fd)
 
 
+def _host(arrays: dict) -> dict[str, np.ndarray]:
+    return {name: np.ascontiguousarray(to_numpy(x)) for name, x in arrays.items()}
+
+
 def _safetensors_bytes(arrays: dict, metadata: dict[str, str]) -> bytes:
-    host = {name: np.ascontiguousarray(to_numpy(x)) for name, x in arrays.items()}
-    return safetensors_bytes(host, metadata=metadata)
+    return safetensors_bytes(_host(arrays), metadata=metadata)
+
+
+def _tensors_sha256(tensors: dict[str, np.ndarray]) -> str:
+    """The sha256 of the tensors' names, dtypes, shapes and bytes, in name order: the checksum a
+    single-file checkpoint carries in its own header."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        x = tensors[name]
+        digest.update(f"{name}:{x.dtype.str}:{x.shape}:".encode("utf-8"))
+        digest.update(np.ascontiguousarray(x).tobytes())
+    return digest.hexdigest()
 
 
 def _safetensors_problem(data: bytes) -> str:
@@ -128,6 +161,26 @@ def _read_bytes(path: Path) -> bytes:
 def _class_path(obj) -> str:
     """'gptlab.optim.AdamW', 'torch.optim.adamw.AdamW', ...: the kind of an optimizer."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+TUPLE_TAG = "__tuple__"  # a tuple in the JSON of a single-file checkpoint: {"__tuple__": [...]}
+
+
+def _json_tuples(obj):
+    """``obj`` with every tuple written {"__tuple__": [...]}, so that JSON keeps tuples (AdamW's
+    betas) apart from lists."""
+    if isinstance(obj, tuple):
+        return {TUPLE_TAG: [_json_tuples(x) for x in obj]}
+    if isinstance(obj, list):
+        return [_json_tuples(x) for x in obj]
+    if isinstance(obj, dict):
+        return {key: _json_tuples(value) for key, value in obj.items()}
+    return obj
+
+
+def _tuples_back(obj: dict):
+    """The ``object_hook`` of json.loads that undoes ``_json_tuples``."""
+    return tuple(obj[TUPLE_TAG]) if obj.keys() == {TUPLE_TAG} else obj
 
 
 def _optimizer_payload(optimizer) -> tuple[dict, dict]:
@@ -192,11 +245,13 @@ def save_checkpoint(target, params: dict, optimizer=None, step: int = 0,
     if optimizer is not None:
         header["optimizer"], optimizer_tensors = _optimizer_payload(optimizer)
         tensors.update({OPTIMIZER_PREFIX + key: x for key, x in optimizer_tensors.items()})
+    tensors = _host(tensors)
+    header["tensors_sha256"] = _tensors_sha256(tensors)
     try:
-        metadata = {"format": FILE_FORMAT, "gptlab": json.dumps(header)}
+        metadata = {"format": FILE_FORMAT, "gptlab": json.dumps(_json_tuples(header))}
     except TypeError as err:
         raise ValueError(f"the optimizer's state is not JSON-friendly: {err}") from err
-    data = _safetensors_bytes(tensors, metadata)
+    data = safetensors_bytes(tensors, metadata=metadata)
     if to_path:
         atomic_write(target, data)
     else:
@@ -251,7 +306,7 @@ def _file_header(metadata: dict, name: str) -> dict:
         raise ValueError(f"{name}: a safetensors file, but not a gptlab checkpoint (its metadata "
                          f"is {metadata}){hint}")
     try:
-        header = json.loads(metadata["gptlab"])
+        header = json.loads(metadata["gptlab"], object_hook=_tuples_back)
     except (KeyError, ValueError) as err:
         raise ValueError(f"{name}: its gptlab metadata is missing or not JSON ({err!r})") from err
     if header.get("format_version") != FILE_FORMAT_VERSION:
@@ -287,6 +342,10 @@ def load_checkpoint(source, backend: str = "numpy", dtype=None, device=None) -> 
             check_params(params, config)
         except (ValueError, TypeError) as err:
             raise ValueError(f"{name}: {err}") from err
+    recorded = header.get("tensors_sha256")  # None: a file of a gptlab that did not record it
+    if recorded is not None and recorded != _tensors_sha256(tensors):
+        raise ValueError(f"{name}: its tensors do not match the sha256 its header records: the "
+                         "file was damaged or changed after it was saved")
     params = {n: convert(x, backend, dtype=dtype, device=device) for n, x in params.items()}
     if optimizer is None:
         return Checkpoint(params, step, config, None, None, name)
@@ -298,12 +357,46 @@ def load_checkpoint(source, backend: str = "numpy", dtype=None, device=None) -> 
 # A training run directory: weights, optimizer moments, tokenizer, state.json
 
 
-def _read_tensors(path: Path, step: int) -> dict[str, np.ndarray]:
-    metadata, tensors = _read_safetensors(_read_bytes(path), str(path))
-    if metadata.get("format") != FORMAT or metadata.get("step") != str(step):
-        raise ValueError(f"{path}: not the gptlab checkpoint of step {step} "
-                         f"(its metadata is {metadata})")
-    return tensors
+def sha256_of(data: bytes) -> str:
+    """The checksum that state.json and the index record for a file: sha256 of its bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_new(out_dir: Path, name: str, data: bytes) -> str:
+    """Write ``data`` into ``out_dir`` as ``name`` and return the name used: ``name``, unless a
+    file of that name holds other bytes (the last complete checkpoint may name it); then the
+    first free or equal ``<stem>-1.<ext>``, ``<stem>-2.<ext>``, ... A file of equal bytes stays."""
+    stem, ext = name.split(".", 1)
+    candidate, n = name, 0
+    while (out_dir / candidate).exists():
+        if (out_dir / candidate).read_bytes() == data:
+            return candidate
+        n += 1
+        candidate = f"{stem}-{n}.{ext}"
+    atomic_write(out_dir / candidate, data)
+    return candidate
+
+
+def write_files(out_dir: Path, files: dict[str, tuple[str, bytes]]) -> tuple[dict, dict]:
+    """Write {state key: (name, bytes)} into ``out_dir`` (``_write_new``); returns
+    ({state key: name used}, {name used: sha256}) for state.json."""
+    names, sha256 = {}, {}
+    for key, (name, data) in files.items():
+        names[key] = _write_new(out_dir, name, data)
+        sha256[names[key]] = sha256_of(data)
+    return names, sha256
+
+
+def commit_state(out_dir: Path, state: dict, keep) -> Path:
+    """Write ``state`` as out_dir/state.json (atomically: this completes the checkpoint), then
+    remove the checkpoint files (WEIGHT_PATTERNS) it does not name (``keep``), of older steps,
+    other world sizes, replaced runs, and the temporary files of killed saves."""
+    atomic_write(out_dir / STATE_FILE, json.dumps(state, indent=1).encode("utf-8"))
+    for pattern in WEIGHT_PATTERNS:
+        for path in out_dir.glob(pattern):
+            if path.name not in keep:
+                path.unlink(missing_ok=True)
+    return out_dir / STATE_FILE
 
 
 def save_run_checkpoint(out_dir, *, step: int, params: dict, optimizer, tokenizer: Tokenizer,
@@ -318,26 +411,21 @@ def save_run_checkpoint(out_dir, *, step: int, params: dict, optimizer, tokenize
     out_dir.mkdir(parents=True, exist_ok=True)
     check_params(params, model_config)
     opt_state = optimizer.state_dict()
-    model_file = f"model-{step:08d}.safetensors"
-    optimizer_file = f"optimizer-{step:08d}.safetensors"
     tensor_metadata = {"format": FORMAT, "step": str(step)}
-    atomic_write(out_dir / model_file, _safetensors_bytes(params, tensor_metadata))
-    atomic_write(out_dir / optimizer_file, _safetensors_bytes(opt_state["state"], tensor_metadata))
-    atomic_write(out_dir / TOKENIZER_FILE, tokenizer.to_json().encode("utf-8"))
+    names, sha256 = write_files(out_dir, {
+        "model_file": (f"model-{step:08d}.safetensors",
+                       _safetensors_bytes(params, tensor_metadata)),
+        "optimizer_file": (f"optimizer-{step:08d}.safetensors",
+                           _safetensors_bytes(opt_state["state"], tensor_metadata)),
+        "tokenizer_file": (TOKENIZER_FILE, tokenizer.to_json().encode("utf-8")),
+    })  # fmt: skip
     state = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
-        "model_file": model_file, "optimizer_file": optimizer_file,
-        "tokenizer_file": TOKENIZER_FILE, "optimizer_kind": opt_state["kind"],
+        "format": FORMAT, "format_version": FORMAT_VERSION, "step": step, **names,
+        "sha256": sha256, "optimizer_kind": opt_state["kind"],
         "optimizer_step": opt_state["step"], "model_config": model_config.to_dict(),
         **(extra or {}),
     }  # fmt: skip
-    atomic_write(out_dir / STATE_FILE, json.dumps(state, indent=1).encode("utf-8"))
-    for old in [*out_dir.glob("model-*.safetensors"), *out_dir.glob("optimizer-*.safetensors")]:
-        if old.name not in (model_file, optimizer_file):
-            old.unlink()
-    for stale in out_dir.glob(".*.tmp-*"):  # left by a save that was killed
-        stale.unlink()
-    return out_dir / STATE_FILE
+    return commit_state(out_dir, state, keep=sha256)
 
 
 @dataclass
@@ -352,8 +440,24 @@ class RunCheckpoint:
     state: dict  # the whole state.json
 
 
+KIND_NAMES = {int: "an integer >= 0", str: "a string", dict: "a JSON object", list: "a JSON list"}
+STATE_FIELDS = {"step": int, "model_config": dict, "tokenizer_file": str, "optimizer_kind": str,
+                "optimizer_step": int}
+
+
+def require_fields(state: dict, kinds: dict, path) -> None:
+    """ValueError naming ``path`` when a field of ``kinds`` ({key: int | str | dict | list}) is
+    missing from ``state`` or of another type (ints must be >= 0)."""
+    for key, kind in kinds.items():
+        value = state.get(key)
+        if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 0)):
+            got = f"{value!r}" if key in state else "nothing (the field is missing)"
+            raise ValueError(f'{path}: "{key}" must be {KIND_NAMES[kind]}, got {got}')
+
+
 def read_state(ckpt_dir) -> dict:
-    """The parsed state.json of ``ckpt_dir`` (FileNotFoundError / ValueError when unusable)."""
+    """The parsed state.json of ``ckpt_dir``, its fields checked (FileNotFoundError / ValueError
+    naming the file when unusable)."""
     path = Path(ckpt_dir) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: {path} does not exist")
@@ -363,35 +467,171 @@ def read_state(ckpt_dir) -> dict:
         raise ValueError(f"{path}: not a gptlab checkpoint state file ({err})") from err
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path}: not a gptlab checkpoint (no \"format\": \"{FORMAT}\")")
-    if state.get("format_version") != FORMAT_VERSION:
+    if state.get("format_version") not in READABLE_VERSIONS:
         raise ValueError(f"{path}: checkpoint format version {state.get('format_version')!r}, "
-                         f"this gptlab reads version {FORMAT_VERSION}")
+                         f"this gptlab reads versions {READABLE_VERSIONS}")
+    files = ({"index_file": str} if "index_file" in state
+             else {"model_file": str, "optimizer_file": str})
+    checksums = {"sha256": dict} if state["format_version"] >= 2 else {}
+    require_fields(state, {**STATE_FIELDS, **files, **checksums}, path)
+    if state["optimizer_kind"] not in OPTIMIZER_BUFFERS:
+        raise ValueError(f"{path}: unknown optimizer_kind {state['optimizer_kind']!r}, expected "
+                         f"one of {sorted(OPTIMIZER_BUFFERS)}")
     return state
+
+
+def state_model_config(ckpt_dir, state: dict) -> GPTConfig:
+    """The GPTConfig that state.json records; ValueError naming the file when it is not one."""
+    try:
+        return GPTConfig(**state["model_config"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{Path(ckpt_dir) / STATE_FILE}: its model_config is not a valid "
+                         f"GPTConfig ({err})") from err
+
+
+def recorded_sha256(ckpt_dir, state: dict, name: str) -> str | None:
+    """The sha256 that state.json records for the file ``name`` (None: format version 1)."""
+    if state["format_version"] < 2:
+        return None
+    sha256 = state["sha256"].get(name)
+    if not isinstance(sha256, str):
+        raise ValueError(f"{Path(ckpt_dir) / STATE_FILE}: records no sha256 for {name}")
+    return sha256
+
+
+def check_sha256(path: Path, data: bytes, expected: str | None, recorded_in: Path) -> None:
+    """ValueError naming ``path`` when ``data`` (its bytes) are not the ones saved."""
+    if expected is not None and sha256_of(data) != expected:
+        raise ValueError(f"{path}: its bytes do not match the sha256 that {recorded_in} records "
+                         "for it: the file was damaged or replaced after it was saved")
+
+
+def read_tensors(path: Path, expected: dict[str, str], sha256: str | None,
+                 recorded_in: Path) -> dict[str, np.ndarray]:
+    """The tensors of a weight file of a run directory, after checking its metadata (format,
+    step; a shard's rank, world size, mode: ``expected``) and its sha256 (None: unrecorded)."""
+    data = _read_bytes(path)
+    metadata, tensors = _read_safetensors(data, str(path))
+    if any(metadata.get(key) != value for key, value in expected.items()):
+        what = ", ".join(f"{key} {value}" for key, value in expected.items() if key != "format")
+        raise ValueError(f"{path}: not the gptlab checkpoint of {what} (its metadata is "
+                         f"{metadata})")
+    check_sha256(path, data, sha256, recorded_in)
+    return tensors
+
+
+def check_moments(state: dict, moments: dict, params: dict, path) -> None:
+    """ValueError naming ``path`` unless ``moments`` holds every buffer of the optimizer that
+    state.json names for every parameter, and nothing else."""
+    expected = {f"{buffer}.{name}" for buffer in OPTIMIZER_BUFFERS[state["optimizer_kind"]]
+                for name in params}
+    missing, extra = sorted(expected - set(moments)), sorted(set(moments) - expected)
+    if missing or extra:
+        raise ValueError(f"{path}: the optimizer moments do not match the parameters: missing "
+                         f"{missing}, unexpected {extra}")
+
+
+def read_run_tokenizer(ckpt_dir, state: dict) -> Tokenizer:
+    """The tokenizer that state.json names, after checking it is the one saved with the weights."""
+    path = Path(ckpt_dir) / state["tokenizer_file"]
+    expected = recorded_sha256(ckpt_dir, state, state["tokenizer_file"])
+    if expected is not None and sha256_of(_read_bytes(path)) != expected:
+        raise ValueError(f"{path}: not the tokenizer this checkpoint was trained with (its sha256 "
+                         f"differs from the one {Path(ckpt_dir) / STATE_FILE} records); put back "
+                         "the run's own tokenizer file")
+    return load_tokenizer(path)
 
 
 def load_run_checkpoint(ckpt_dir, backend: str = "numpy", dtype=None,
                         device=None) -> RunCheckpoint:
     """Read the run directory ``ckpt_dir``; params go to ``backend`` (and ``dtype``/``device``).
 
-    Truncated or foreign files raise ValueError naming the file; nothing is ever unpickled.
+    Truncated, changed or foreign files raise ValueError naming the file; nothing is unpickled.
     """
     ckpt_dir = Path(ckpt_dir)
     state = read_state(ckpt_dir)
-    step = state["step"]
-    model_config = GPTConfig(**state["model_config"])
-    params = _read_tensors(ckpt_dir / state["model_file"], step)
+    step, state_path = state["step"], ckpt_dir / STATE_FILE
+    model_config = state_model_config(ckpt_dir, state)
+    tensors = {}
+    for key in ("model_file", "optimizer_file"):
+        path = ckpt_dir / state[key]
+        tensors[key] = read_tensors(path, {"format": FORMAT, "step": str(step)},
+                                    recorded_sha256(ckpt_dir, state, state[key]), state_path)
+    params, moments = tensors["model_file"], tensors["optimizer_file"]
     try:
         check_params(params, model_config)
     except (ValueError, TypeError) as err:
         raise ValueError(f"{ckpt_dir / state['model_file']}: {err}") from err
+    check_moments(state, moments, params, ckpt_dir / state["optimizer_file"])
     params = {name: convert(x, backend, dtype=dtype, device=device) for name, x in params.items()}
-    moments = _read_tensors(ckpt_dir / state["optimizer_file"], step)
     optimizer_state = {"kind": state["optimizer_kind"], "step": state["optimizer_step"],
                        "state": moments}
-    tokenizer = load_tokenizer(ckpt_dir / state["tokenizer_file"])
+    tokenizer = read_run_tokenizer(ckpt_dir, state)
     return RunCheckpoint(step, params, optimizer_state, tokenizer, model_config, state)
 
 
-__all__ = ["FORMAT_VERSION", "FILE_FORMAT_VERSION", "STATE_FILE", "atomic_write",
+# ------------------------------------------------------------------------------------------------
+# One run per directory: the lock, and no run replaced by accident
+
+
+class RunDirectoryError(ValueError):
+    """A run directory this run may not use: another run holds it, or it holds a run and
+    neither resume nor overwrite was asked for."""
+
+
+def _lock(path: Path) -> int:
+    """An open descriptor of ``path`` that holds its exclusive flock, this pid written in it;
+    RunDirectoryError naming the holder's pid when another process holds it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirectoryError(f"{path.parent} is in use by another run (pid {holder} holds "
+                                    f"{path}): wait for it to end, stop it, or choose another "
+                                    "--out-dir") from None
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its holder removed the file as we opened it: open the new one
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+    return fd
+
+
+@contextmanager
+def claim_run_dir(out_dir, *, resume: bool = False, overwrite: bool = False):
+    """Hold the run directory ``out_dir`` (created if need be) for the ``with`` block: its lock
+    (an flock of out_dir/run.lock with the holder's pid; the kernel drops it when the holder
+    ends, even by SIGKILL, so the lock of a dead run is taken over), after checking that it
+    holds nothing but the lock unless ``resume`` (continue the run there) or ``overwrite`` (a
+    new run replaces it; its checkpoint stays until the new run's first one is complete).
+    RunDirectoryError (a ValueError) naming the directory otherwise."""
+    if resume and overwrite:
+        raise RunDirectoryError("resume continues the run in out_dir and overwrite replaces it "
+                                "with a new one: choose one")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = _lock(out_dir / LOCK_FILE)
+    try:
+        held = sorted(path.name for path in out_dir.iterdir() if path.name != LOCK_FILE)
+        if held and not (resume or overwrite):
+            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+            raise RunDirectoryError(
+                f"{out_dir} already holds a run ({shown}): continue it with --resume, replace "
+                "it with --overwrite (its checkpoint stays until the new one is complete), or "
+                "choose another --out-dir")
+        yield out_dir
+    finally:
+        (out_dir / LOCK_FILE).unlink(missing_ok=True)  # while still holding it: see _lock
+        os.close(fd)
+
+
+__all__ = ["FORMAT_VERSION", "FILE_FORMAT_VERSION", "STATE_FILE", "LOCK_FILE", "atomic_write",
            "save_checkpoint", "load_checkpoint", "Checkpoint", "save_run_checkpoint",
-           "load_run_checkpoint", "read_state", "RunCheckpoint"]
+           "load_run_checkpoint", "read_state", "RunCheckpoint", "RunDirectoryError",
+           "claim_run_dir", "require_fields"]

@@ -95,6 +95,10 @@ def _add_train_command(commands) -> None:
         _add_field(groups[group_of[field.name]], field, hints[field.name])
     groups["runtime"].add_argument("--quiet", action="store_true",
                                    help="no progress bar, only the final line")
+    groups["evaluation and checkpoints"].add_argument(
+        "--overwrite", action="store_true",
+        help="start a new run in an out_dir that holds one (its checkpoint stays until the new "
+             "run's first checkpoint is complete); without it such a directory is refused")
 
 
 def _add_sample_command(commands) -> None:
@@ -174,7 +178,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run_train(args: argparse.Namespace) -> int:
     try:
-        result = train(config_from_args(args), progress=not args.quiet)
+        result = train(config_from_args(args), progress=not args.quiet, overwrite=args.overwrite)
     except (TrainingDiverged, LaunchFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

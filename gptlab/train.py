@@ -37,13 +37,23 @@ import csv
 import hashlib
 import json
 import math
+import os
+import sys
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from .checkpoint import STATE_FILE, read_state, save_run_checkpoint
+from .checkpoint import (
+    STATE_FILE,
+    claim_run_dir,
+    read_state,
+    recorded_sha256,
+    require_fields,
+    save_run_checkpoint,
+)
 from .config import GELU_ALIASES, GELU_FORMS, MLPS, NORMS, POSITIONS, GPTConfig
 from .data import EMBEDDED, get_batch, load_text, split_train_val
 from .fast import ATTENTIONS, CLASSIFIERS, PRECISIONS, FastStep, LossScaler, check_fast_config
@@ -58,6 +68,11 @@ from .bpe import ByteBPETokenizer
 from .tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 
 LOG_FIELDS = ("step", "lr", "train_loss", "val_loss")
+# What a resumed run may change without a word: how far it goes and where it runs (any mode and
+# world size resumes any checkpoint); every other changed setting is printed as it resumes.
+RESUME_FREE = ("max_iters", "resume", "out_dir", "device", "threads", "parallel", "nproc",
+               "accum_steps")
+CLAIMED_ENV = "GPTLAB_RUN_DIR_CLAIMED"  # set by the launching process that holds the lock
 PARALLEL_CHOICES = ("none", *(name for name in MODES if name != "single"))
 
 
@@ -408,9 +423,15 @@ def plot_losses(source, ax=None):
     return ax
 
 
-def train(cfg: TrainConfig, progress: bool = True) -> TrainResult | None:
+def train(cfg: TrainConfig, progress: bool = True, *,
+          overwrite: bool = False) -> TrainResult | None:
     """Train (or, with ``cfg.resume``, continue) a GPT as ``cfg`` says; see the module docstring.
     With ``cfg.threads``, torch runs on that many CPU threads, and on its previous count after.
+
+    The run holds ``cfg.out_dir`` (``gptlab.checkpoint.claim_run_dir``): another run there at
+    the same time is refused, naming its pid, and so is a directory that already holds a run,
+    unless ``cfg.resume`` continues it or ``overwrite`` replaces it (its checkpoint stays until
+    the new run's first checkpoint is complete).
 
     A parallel run (``cfg.parallel``) starts ``cfg.nproc`` processes with torch's elastic
     launcher (one thread each unless ``cfg.threads``) and returns rank 0's result. Under
@@ -421,10 +442,45 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult | None:
     Raises TrainingDiverged when the loss or gradient norm is not finite, before the update is
     applied, so the last checkpoint on disk stays the last good one.
     """
-    if cfg.parallel != "none" and not under_launcher():
-        mode_class(cfg.parallel)  # a mode this gptlab lacks is an error here, before the launch
-        return launch(_train_rank, cfg.nproc, asdict(cfg), progress, threads=cfg.threads or 1,
-                      device=cfg.device)[0]
+    with _claim(cfg, overwrite):
+        if cfg.parallel != "none" and not under_launcher():
+            mode_class(cfg.parallel)  # a mode this gptlab lacks is an error here, before launch
+            if cfg.resume:  # a damaged checkpoint is an error here, not in every rank
+                load_run(cfg.out_dir)
+            return launch(_train_rank, cfg.nproc, asdict(cfg), progress,
+                          threads=cfg.threads or 1, device=cfg.device)[0]
+        return _train_on_threads(cfg, progress)
+
+
+def _claim(cfg: TrainConfig, overwrite: bool):
+    """The claim on ``cfg.out_dir`` this process takes: the launching process (or one process)
+    takes it for the whole run and tells its ranks so; under torchrun rank 0 takes it."""
+    out_dir = str(Path(cfg.out_dir).resolve())
+    if under_launcher() and (os.environ["RANK"] != "0" or os.environ.get(CLAIMED_ENV) == out_dir):
+        return nullcontext()
+    claim = claim_run_dir(out_dir, resume=cfg.resume, overwrite=overwrite)
+    if cfg.parallel == "none" or under_launcher():
+        return claim
+    return _telling_ranks(claim, out_dir)
+
+
+@contextmanager
+def _telling_ranks(claim, out_dir: str):
+    """``claim``, with CLAIMED_ENV set for the ranks that launch starts meanwhile."""
+    with claim:
+        before = os.environ.get(CLAIMED_ENV)
+        os.environ[CLAIMED_ENV] = out_dir
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ[CLAIMED_ENV]
+            else:
+                os.environ[CLAIMED_ENV] = before
+
+
+def _train_on_threads(cfg: TrainConfig, progress: bool) -> TrainResult | None:
+    """``_train``, on ``cfg.threads`` CPU threads if set."""
     if cfg.threads is None:
         return _train(cfg, progress)
     import torch
@@ -435,6 +491,35 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult | None:
         return _train(cfg, progress)
     finally:
         torch.set_num_threads(threads_before)
+
+
+def _check_resume(cfg: TrainConfig, ckpt, out_dir: Path, data_sha256: str, source: str,
+                  report: bool) -> None:
+    """ValueError unless the run in ``out_dir`` (``ckpt``) can go on as ``cfg`` asks: the same
+    model, data and tokenizer, and the fields train writes into state.json. With ``report``,
+    print (to stderr) every other setting that differs from the saved run's."""
+    state_path = out_dir / STATE_FILE
+    require_fields(ckpt.state, {"history": list, "batch_rng_state": dict, "data_sha256": str,
+                                "train_config": dict}, state_path)
+    if cfg.tokenizer_path is not None:  # compared as saved: the same JSON for the same tokenizer
+        saved_as = load_tokenizer(cfg.tokenizer_path).to_json().encode("utf-8")
+        recorded = recorded_sha256(out_dir, ckpt.state, ckpt.state["tokenizer_file"])
+        if recorded is not None and hashlib.sha256(saved_as).hexdigest() != recorded:
+            raise ValueError(f"cannot resume {out_dir}: the tokenizer {cfg.tokenizer_path} is not "
+                             f"the one it was trained with, "
+                             f"{out_dir / ckpt.state['tokenizer_file']}")
+    model_cfg = cfg.model_config(ckpt.tokenizer.vocab_size)
+    if ckpt.model_config != model_cfg:
+        raise ValueError(f"cannot resume {out_dir}: its model is {ckpt.model_config}, "
+                         f"the config asks for {model_cfg}")
+    if ckpt.state["data_sha256"] != data_sha256:
+        raise ValueError(f"cannot resume {out_dir}: it was trained on other data than {source}")
+    saved, now = ckpt.state["train_config"], json.loads(json.dumps(asdict(cfg)))
+    changed = [f"{name} {saved[name]!r} -> {value!r}" for name, value in now.items()
+               if name in saved and name not in RESUME_FREE and saved[name] != value]
+    if changed and report:
+        print(f"resuming {out_dir} at step {ckpt.step} with changed settings: "
+              f"{', '.join(changed)}", file=sys.stderr)
 
 
 def _train_rank(settings: dict, progress: bool):
@@ -459,16 +544,12 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
     if cfg.resume:
         ckpt = load_run(out_dir, backend=cfg.array_backend, dtype=cfg.dtype, device=device)
         tokenizer, params, step = ckpt.tokenizer, ckpt.params, ckpt.step
+        _check_resume(cfg, ckpt, out_dir, data_sha256, source, report=lead)
         model_cfg = cfg.model_config(tokenizer.vocab_size)
-        if ckpt.model_config != model_cfg:
-            raise ValueError(f"cannot resume {out_dir}: its model is {ckpt.model_config}, "
-                             f"the config asks for {model_cfg}")
-        if ckpt.state["data_sha256"] != data_sha256:
-            raise ValueError(f"cannot resume {out_dir}: it was trained on other data than {source}")
         rng.bit_generator.state = ckpt.state["batch_rng_state"]
         history = ckpt.state["history"]
         checkpoint_path = out_dir / STATE_FILE
-    else:
+    else:  # the directory's old checkpoint, if any (--overwrite), stays until a new one is in
         tokenizer = make_tokenizer(cfg, text)
         model_cfg = cfg.model_config(tokenizer.vocab_size)
         params = init_params(model_cfg, seed=cfg.seed, backend=cfg.array_backend,
@@ -476,7 +557,6 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
         step, history, checkpoint_path = 0, [], None
         if lead:
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / STATE_FILE).unlink(missing_ok=True)  # a fresh run supersedes an old one
 
     scaler = None  # float16's loss scale; its state goes into the checkpoints
     if cfg.precision == "float16":

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -84,10 +85,10 @@ def test_new_save_replaces_old_files(tmp_path):
     assert load_run_checkpoint(tmp_path).step == 2
 
 
-def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    """Kill the save after the new weights are written but before state.json is: step 1 loads."""
-    params1, opt1 = _trained(1)
-    _save(tmp_path, 1, params1, opt1)
+@contextmanager
+def killed_at_state_json(monkeypatch):
+    """A save in the block dies (KeyboardInterrupt) as it comes to write state.json, every
+    other file of its checkpoint written: what SIGKILL at the worst moment leaves."""
     real_write = ckpt_module.atomic_write
 
     def crash_on_state(path, data):
@@ -97,8 +98,16 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt_module, "atomic_write", crash_on_state)
     with pytest.raises(KeyboardInterrupt):
-        _save(tmp_path, 2, *_trained(2))
+        yield
     monkeypatch.undo()
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """Kill the save after the new weights are written but before state.json is: step 1 loads."""
+    params1, opt1 = _trained(1)
+    _save(tmp_path, 1, params1, opt1)
+    with killed_at_state_json(monkeypatch):
+        _save(tmp_path, 2, *_trained(2))
     ckpt = load_run_checkpoint(tmp_path)
     assert ckpt.step == 1
     _assert_same(ckpt.params, params1)
@@ -418,6 +427,43 @@ def test_optimizer_kind_mismatch(tmp_path):
     with pytest.raises(ValueError, match=f"{re.escape(str(path))}: optimizer state does not "
                                          r"match: missing \[\], unexpected \['m.wpe.weight'"):
         ckpt.restore_optimizer(AdamW(fewer))
+
+
+def test_file_with_changed_tensor_bytes_is_refused(tmp_path):
+    """4,000 zero bytes written over the tensors of a single-file checkpoint: its header's
+    sha256 no longer matches, and the load names the file."""
+    path, _ = _saved(tmp_path)
+    data = path.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little") + 64
+    assert any(data[start:start + 4000])
+    path.write_bytes(data[:start] + bytes(4000) + data[start + 4000:])
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: its tensors do not match the "
+                                         "sha256 its header records"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.999)),
+    lambda params: TorchAdamW(params, lr=1e-2, betas=(0.8, 0.99)),
+], ids=["torch.optim.AdamW", "TorchAdamW"])  # fmt: skip
+def test_optimizer_settings_round_trip_exactly(make_optimizer):
+    """Every setting of every parameter group comes back as it was, of the same type: the betas
+    a tuple, not the list that JSON would make of it."""
+    model = GPT(CFG, seed=0, dtype="float64")
+    opt = make_optimizer(param_groups(model.params, 0.1))
+    _train_gpt(model, opt, range(2))
+    buffer = io.BytesIO()
+    save_checkpoint(buffer, model.params, opt, step=2, config=CFG)
+    ckpt = load_checkpoint(_rewind(buffer), backend="torch")
+    resumed = make_optimizer(param_groups(GPT(CFG, ckpt.params).params, 0.1))
+    resumed.param_groups[0]["betas"] = (0.5, 0.5)  # the checkpoint's must win
+    ckpt.restore_optimizer(resumed)
+    for saved, restored in zip(opt.param_groups, resumed.param_groups, strict=True):
+        settings = {key: value for key, value in saved.items() if key != "params"}
+        assert {key: restored[key] for key in settings} == settings
+        assert {key: type(restored[key]) for key in settings} == {
+            key: type(value) for key, value in settings.items()}
+        assert type(restored["betas"]) is tuple
 
 
 @requires_cuda

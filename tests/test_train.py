@@ -95,18 +95,19 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, corpus):
 
 
 def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
+    run_dir = tmp_path / "run"  # not tmp_path, which holds the corpus: one run per directory
     cfg = TrainConfig(**TINY, data=str(corpus), max_iters=4, checkpoint_interval=2,
-                      eval_interval=100, out_dir=str(tmp_path))
+                      eval_interval=100, out_dir=str(run_dir))
     good = train(cfg, progress=False)
-    assert load_run_checkpoint(tmp_path).step == 4
-    state_before = (tmp_path / STATE_FILE).read_bytes()
+    assert load_run_checkpoint(run_dir).step == 4
+    state_before = (run_dir / STATE_FILE).read_bytes()
     huge = TrainConfig(**{**asdict(cfg), "lr": 1e30, "lr_schedule": "constant", "max_iters": 8,
                           "resume": True})
     expected = r"diverged at step \d.*checkpoint of step 4 .* is untouched"
     with pytest.raises(TrainingDiverged, match=expected):
         train(huge, progress=False)
-    assert (tmp_path / STATE_FILE).read_bytes() == state_before
-    ckpt = load_run_checkpoint(tmp_path)
+    assert (run_dir / STATE_FILE).read_bytes() == state_before
+    ckpt = load_run_checkpoint(run_dir)
     assert ckpt.step == 4
     for name, value in good.params.items():
         np.testing.assert_array_equal(ckpt.params[name], to_numpy(value))
@@ -160,7 +161,7 @@ def test_cli_reports_bad_data_without_traceback(tmp_path):
 def test_cli_has_an_option_for_every_config_field():
     defaults = build_parser().parse_args(["train"])
     assert TrainConfig(**{k: v for k, v in vars(defaults).items()
-                          if k not in ("command", "quiet")}) == TrainConfig()
+                          if k not in ("command", "quiet", "overwrite")}) == TrainConfig()
     args = build_parser().parse_args(["train", "--betas", "0.8", "0.9", "--lr_decay_iters", "none",
                                       "--data", "x.txt", "--resume", "--max_iters", "7"])
     assert args.betas == [0.8, 0.9] and args.lr_decay_iters is None
