@@ -55,7 +55,8 @@ AUTOGRAD_RUN = dict(
 NUMPY_RUN = dict(AUTOGRAD_RUN, backend="numpy", device="cpu", dropout=0.1, threads=None,
                  bias=True, mlp="moe", n_expert=4, expert_top_k=1, capacity_factor=1.5,
                  aux_loss_weight=0.1)
-PARALLEL_RUN = dict(AUTOGRAD_RUN, backend="torch", parallel="zero3", nproc=2, accum_steps=3)
+PARALLEL_RUN = dict(AUTOGRAD_RUN, backend="torch", parallel="zero3", nproc=2, accum_steps=3,
+                    batch_size=6)  # split over 2 ranks x 3 micro-steps
 FAST_RUN = dict(AUTOGRAD_RUN, backend="torch", dtype="float32", position="learned",
                 norm="layernorm", mlp="gelu", n_kv_head=None, tie_embeddings=True, fused=True,
                 recompute=True, attention="flash", classifier="chunked", precision="float16",
