@@ -6,6 +6,7 @@ answering is named."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -208,3 +209,58 @@ def test_help_and_option_errors_do_not_import_torch(argv):
                           text=True, timeout=120)
     assert proc.stdout.splitlines()[-1] == "torch imported: False", proc.stdout + proc.stderr
     assert "usage: python -m gptlab" in proc.stdout + proc.stderr
+
+
+# --- a rank that stops answering ----------------------------------------------------------------
+
+
+def _spin_rank(folder: str) -> None:
+    """A rank of ``launch`` that writes its pid, then all-reduces until the run is stopped."""
+    Path(folder, f"rank{torch.distributed.get_rank()}.pid").write_text(str(os.getpid()))
+    total = torch.zeros(1)
+    while True:
+        torch.distributed.all_reduce(total)
+        time.sleep(0.01)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+LAUNCH = """import sys
+from gptlab.parallel.launch import LaunchFailed, launch
+from test_faults_cli import _spin_rank
+try:
+    launch(_spin_rank, 2, sys.argv[1])
+except LaunchFailed as err:
+    print(err)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
+def test_a_rank_that_stops_answering_is_named_and_stops_the_run(tmp_path):
+    """Rank 1 SIGSTOPped in the middle of all-reduces: the run stops well within the bound (a
+    collective's timeout is 120 s), and the message names rank 1, not the rank that waited."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, str(tmp_path)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pid_files = [tmp_path / f"rank{rank}.pid" for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(f.is_file() and f.read_text() for f in pid_files):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(1.0)  # a few heartbeats and all-reduces
+        os.kill(int(pid_files[1].read_text()), signal.SIGSTOP)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()  # each by its pid; nothing is left when the run stopped itself
+        for f in pid_files:
+            if f.is_file() and f.read_text():
+                _kill(int(f.read_text()))
+    assert "rank 1 of 2 stopped answering: no heartbeat for" in out, out + err[-3000:]
+    assert "(noticed by rank 0), so the run was stopped" in out
