@@ -300,7 +300,9 @@ def run_sample(args: argparse.Namespace) -> int:
         generate(ckpt.params, ckpt.model_config, prompt_ids, args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                  seed=args.seed, on_token=stream)
-    finally:  # also on Ctrl-C: what was generated is out, and the line ends
+    except KeyboardInterrupt:  # Ctrl-C ends a long generation: no traceback
+        return 130
+    finally:  # what was generated is out, and the line ends
         stream.close()
     return 0
 

@@ -621,5 +621,5 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
     return TrainResult(history, params, tokenizer, model_cfg, out_dir, log_path, checkpoint_path)
 
 
-__all__ = ["TrainConfig", "TrainResult", "TrainingDiverged", "train", "make_optimizer",
-           "dropout_seed", "read_log", "plot_losses", "LOG_FIELDS"]
+__all__ = ["TrainConfig", "TrainResult", "TrainingDiverged", "train", "check_start",
+           "make_optimizer", "dropout_seed", "read_log", "plot_losses", "LOG_FIELDS"]

@@ -76,7 +76,7 @@ def parse_error(argv: list[str], capsys) -> str:
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["train", "sample"])
+@pytest.mark.parametrize("command", ["train", "sample", "data"])
 def test_every_option_has_a_description_and_its_default(command):
     parser = subcommand(command)
     shown = [a for a in parser._actions if a.help != argparse.SUPPRESS]
@@ -114,7 +114,8 @@ def test_help_groups_the_options_and_prints_choices_and_defaults(monkeypatch):
 
 def test_the_readme_help_commands_run():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for command, expected in (("train", "--max-iters"), ("sample", "--top-k")):
+    for command, expected in (("train", "--max-iters"), ("sample", "--top-k"),
+                              ("data", "--threshold")):
         proc = subprocess.run([sys.executable, "-m", "gptlab", command, "--help"], env=env,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr

@@ -106,8 +106,8 @@ def run_dir(tmp_path_factory) -> Path:
     """A checkpoint of one update of a tiny model."""
     tmp = tmp_path_factory.mktemp("sample")
     out_dir = tmp / "run"
-    assert main(["train", *_cli_args("-", **TINY), "--max-iters", "1", "--out-dir", str(out_dir),
-                 "--data", str(_corpus(tmp))]) == 0
+    assert main(["train", *_cli_args("-", **TINY), "--max-iters", "1", "--warmup-iters", "0",
+                 "--out-dir", str(out_dir), "--data", str(_corpus(tmp))]) == 0
     return out_dir
 
 
@@ -148,7 +148,7 @@ def test_sample_refuses_a_device_it_cannot_use(device, message, run_dir, capsys)
 
 DOCS = ["the quick brown fox jumps over the lazy dog near the river bank today",
         "a completely different document about tokenizers and their merges",
-        "The quick brown fox  jumps over the lazy dog near the river bank today",  # exact, normalised
+        "The quick brown fox  jumps over the lazy dog near the river bank today",  # exact copy
         "the quick brown fox jumps over the lazy dog near the river bank tonight"]  # near
 
 
@@ -234,7 +234,7 @@ LAUNCH = """import sys
 from gptlab.parallel.launch import LaunchFailed, launch
 from test_faults_cli import _spin_rank
 try:
-    launch(_spin_rank, 2, sys.argv[1])
+    launch(_spin_rank, 2, sys.argv[1], heartbeat_s=5.0)
 except LaunchFailed as err:
     print(err)
 """
@@ -243,7 +243,8 @@ except LaunchFailed as err:
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
 def test_a_rank_that_stops_answering_is_named_and_stops_the_run(tmp_path):
     """Rank 1 SIGSTOPped in the middle of all-reduces: the run stops well within the bound (a
-    collective's timeout is 120 s), and the message names rank 1, not the rank that waited."""
+    collective's timeout is 120 s; the heartbeat's here 5 s), and the message names rank 1, not
+    the rank that waited."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     proc = subprocess.Popen([sys.executable, "-c", LAUNCH, str(tmp_path)], env=env, text=True,

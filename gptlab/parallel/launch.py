@@ -49,7 +49,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 COLLECTIVE_TIMEOUT_S = 120.0  # a collective whose peers are gone fails after this long
 HEARTBEAT_INTERVAL_S = 1.0  # every rank beats this often
-HEARTBEAT_TIMEOUT_S = 10.0  # a peer whose beat stands still this long has stopped answering
+HEARTBEAT_TIMEOUT_S = 30.0  # a peer whose beat stands still this long has stopped answering
+# (long enough for a rank busy in code that holds the GIL, a regex over a big corpus, say)
 _heartbeat = None  # this process's Heartbeat, once it is a rank of a launched run
 # The elastic agent installs its own handlers for these in the calling process; launch() puts
 # the caller's back (a Jupyter kernel would otherwise die with SignalException when shut down).
@@ -74,7 +75,8 @@ class Heartbeat:
 
     def __init__(self, rank: int, world_size: int, interval: float = HEARTBEAT_INTERVAL_S,
                  timeout: float = HEARTBEAT_TIMEOUT_S):  # fmt: skip
-        self.rank, self.world_size, self.interval, self.timeout = rank, world_size, interval, timeout
+        self.rank, self.world_size = rank, world_size
+        self.interval, self.timeout = interval, timeout
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               is_master=False, timeout=timedelta(seconds=timeout))
         run = os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -132,7 +134,8 @@ def under_launcher() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def init_process_group(timeout_s: float = COLLECTIVE_TIMEOUT_S, device: str | None = None) -> None:
+def init_process_group(timeout_s: float = COLLECTIVE_TIMEOUT_S, device: str | None = None,
+                       heartbeat_s: float = HEARTBEAT_TIMEOUT_S) -> None:
     """Open the default process group from the launcher's environment: NCCL when ``device`` is
     a CUDA device (each local rank takes its own GPU), gloo otherwise; under an elastic agent
     (torchrun, ``launch``) with a ``Heartbeat`` until the process exits."""
@@ -144,16 +147,17 @@ def init_process_group(timeout_s: float = COLLECTIVE_TIMEOUT_S, device: str | No
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and dist.get_world_size() > 1:
         global _heartbeat
-        _heartbeat = Heartbeat(dist.get_rank(), dist.get_world_size())
+        _heartbeat = Heartbeat(dist.get_rank(), dist.get_world_size(), timeout=heartbeat_s)
         atexit.register(_heartbeat.close)  # torchrun's workers; launch's close it in _worker
 
 
 @record
-def _worker(fn, args, threads: int | None, timeout_s: float, device: str | None):
+def _worker(fn, args, threads: int | None, timeout_s: float, device: str | None,
+            heartbeat_s: float):
     """The body of every spawned rank: threads, process group, fn(*args), clean exit."""
     if threads is not None:
         torch.set_num_threads(threads)
-    init_process_group(timeout_s, device)
+    init_process_group(timeout_s, device, heartbeat_s)
     try:
         return fn(*args)
     finally:
@@ -163,12 +167,14 @@ def _worker(fn, args, threads: int | None, timeout_s: float, device: str | None)
 
 
 def launch(fn, nproc: int, *args, threads: int | None = 1, timeout_s: float = COLLECTIVE_TIMEOUT_S,
-           monitor_interval: float = 0.1, device: str | None = None) -> list:
+           monitor_interval: float = 0.1, device: str | None = None,
+           heartbeat_s: float = HEARTBEAT_TIMEOUT_S) -> list:
     """Run ``fn(*args)`` on ``nproc`` ranks of this machine (127.0.0.1); returns the ranks'
     results in rank order. ``fn`` must be importable (a module-level function); each rank has
     the default process group open (gloo; NCCL with ``device="cuda"``, a GPU per rank) and
     ``threads`` torch threads (1 lets 4 ranks share 2 cores). Raises LaunchFailed (with the
-    failing rank's error) when a rank fails or dies."""
+    failing rank's error) when a rank fails or dies, or (naming it) when a rank's heartbeat
+    stands still for ``heartbeat_s`` seconds."""
     if not (isinstance(nproc, int) and nproc >= 1):
         raise ValueError(f"nproc must be an integer >= 1, got {nproc!r}")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
@@ -177,12 +183,14 @@ def launch(fn, nproc: int, *args, threads: int | None = 1, timeout_s: float = CO
                           monitor_interval=monitor_interval, start_method="spawn")
     handlers = {number: signal.getsignal(number) for number in AGENT_SIGNALS}
     try:
-        results = elastic_launch(config, _worker)(fn, args, threads, timeout_s, device)
+        results = elastic_launch(config, _worker)(fn, args, threads, timeout_s, device,
+                                                  heartbeat_s)
     except ChildFailedError as err:
         prefix = RankStopped.__name__ + ": "
         stopped = [m for m in map(_message, err.failures.values()) if m.startswith(prefix)]
         if stopped:  # the rank that noticed is not the one at fault
-            raise LaunchFailed(f"{stopped[0].removeprefix(prefix)}, so the run was stopped") from err
+            message = stopped[0].removeprefix(prefix)
+            raise LaunchFailed(f"{message}, so the run was stopped") from err
         rank, failure = err.get_first_failure()
         raise LaunchFailed(f"rank {rank} of {nproc} failed, so the run was stopped: "
                            f"{_describe(failure)}") from err

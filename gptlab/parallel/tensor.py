@@ -20,15 +20,17 @@ so one block is, on rank r (the bias of a row-parallel layer is added once, afte
     m  = g(gelu(f(LN2(x1)) @ c_fc_r + b_fc_r) @ c_proj_r) + b_proj
 
 The token embedding is split by vocabulary rows: rank r looks up the ids of its slice, writes
-zeros for the others, and g sums the pieces. A vocabulary V that W does not divide is padded with
-zero rows to W ceil(V/W); the padded ids never occur, and their logits are set to -inf before the
-softmax, so they get no probability and no gradient (the saved model has V rows again). The tied head then gives logits for the rank's
-slice only (B, T, V/W), and the cross-entropy is computed without ever gathering them: the max
-and the sum of exponentials are all-reduced over the slices, and each rank's dlogits is its own
-slice of probs - onehot. LayerNorms, wpe and the row-parallel biases are replicated: the
-activations they touch, and the gradients flowing into those activations, are the same on every
-rank (f sums dx before it leaves a layer, g hands every rank the same dy), so their gradients are
-identical everywhere and need no communication.
+zeros for the others, and g sums the pieces. The tied head then gives logits for the rank's slice
+only (B, T, V/W), and the cross-entropy is computed without ever gathering them: the max and the
+sum of exponentials are all-reduced over the slices, and each rank's dlogits is its own slice of
+probs - onehot. A vocabulary V that W does not divide is padded with zero rows to W ceil(V/W):
+the padded ids never occur, and their logits are set to -inf before the softmax, so they get no
+probability and no gradient (the saved model has V rows again).
+
+LayerNorms, wpe and the row-parallel biases are replicated: the activations they touch, and the
+gradients flowing into those activations, are the same on every rank (f sums dx before it leaves
+a layer, g hands every rank the same dy), so their gradients are identical everywhere and need no
+communication.
 
 Book: chapter 15, "One model, many devices".
 """
