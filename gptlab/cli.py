@@ -106,7 +106,8 @@ def _add_train_command(commands, options: bool = True) -> None:
         _add_field(groups[group_of[field.name]], field, hints[field.name])
     groups["runtime"].add_argument("--quiet", action="store_true",
                                    help="no progress bar, only the final line")
-    parser.set_defaults(warmup_iters=None)  # None: not given, see config_from_args
+    warmup = next(f.default for f in fields(TrainConfig) if f.name == "warmup_iters")
+    parser.set_defaults(warmup_iters=NotGiven(warmup))  # see config_from_args
 
 
 def _add_sample_command(commands) -> None:
@@ -227,18 +228,20 @@ def build_parser(train_options: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+class NotGiven(int):
+    """An option's default (equal to it) that tells config_from_args the option was not given."""
+
+
 def config_from_args(args: argparse.Namespace):
     """The TrainConfig that parsed ``train`` arguments describe. Without --warmup-iters, the
     default warmup (20) is shortened to fit a cosine that ends sooner."""
     from .train import TrainConfig
 
     values = {field.name: getattr(args, field.name) for field in fields(TrainConfig)}
-    if values["warmup_iters"] is None:
-        warmup = next(f.default for f in fields(TrainConfig) if f.name == "warmup_iters")
-        if values["lr_schedule"] == "cosine":
-            warmup = min(warmup, (values["lr_decay_iters"] or values["max_iters"]) - 1)
-        values["warmup_iters"] = max(warmup, 0)
-    return TrainConfig(**values)
+    warmup = values["warmup_iters"]
+    if isinstance(warmup, NotGiven) and values["lr_schedule"] == "cosine":
+        warmup = max(min(warmup, (values["lr_decay_iters"] or values["max_iters"]) - 1), 0)
+    return TrainConfig(**{**values, "warmup_iters": int(warmup)})
 
 
 def run_train(args: argparse.Namespace) -> int:
