@@ -262,17 +262,18 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-class _TextStream:
-    """Prints the decoded text of tokens as they come (flushed), holding back the bytes of a
-    character that a byte-level token split until its last byte arrives."""
+class TextStream:
+    """Prints the decoded text of tokens as they come (flushed) to ``out`` (None: stdout),
+    holding back the bytes of a character that byte-level tokens split until its last byte
+    arrives (at most 4 tokens: a UTF-8 character has at most 4 bytes)."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out, self.pending = tokenizer, out, []
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out, self.pending = tokenizer, out or sys.stdout, []
 
     def __call__(self, token: int) -> None:
         self.pending.append(token)
         text = self.tokenizer.decode(self.pending)
-        if not text.endswith("\ufffd"):  # U+FFFD: a character still incomplete
+        if not text.endswith("\ufffd") or len(self.pending) >= 4:  # U+FFFD: incomplete
             self.write(text)
 
     def write(self, text: str) -> None:
@@ -297,7 +298,7 @@ def run_sample(args: argparse.Namespace) -> int:
     check_device(args.device)
     ckpt = load_run(args.checkpoint, backend=args.backend, device=args.device)
     prompt_ids = ckpt.tokenizer.encode(args.prompt)
-    stream = _TextStream(ckpt.tokenizer)
+    stream = TextStream(ckpt.tokenizer)
     stream.write(args.prompt)
     try:
         generate(ckpt.params, ckpt.model_config, prompt_ids, args.max_new_tokens,

@@ -5,6 +5,7 @@ answering is named."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 import gptlab.train
-from gptlab.cli import main
+from gptlab.bpe import ByteBPETokenizer
+from gptlab.cli import TextStream, main
 from gptlab.data import embedded_corpus
 from test_train import _cli_args
 
@@ -135,6 +137,20 @@ def test_sample_streams_the_tokens_as_they_come(run_dir):
         proc.communicate(timeout=30)
 
 
+def test_the_stream_holds_back_a_character_split_over_byte_tokens():
+    """Byte-level tokens of "é" (2 bytes) and "€" (3): nothing half-decoded is printed."""
+    tokenizer = ByteBPETokenizer.train("héllo €", 257)  # no merges: one token per byte
+    out = io.StringIO()
+    stream, printed = TextStream(tokenizer, out), []
+    for token in tokenizer.encode("héllo €uro"):
+        stream(token)
+        printed.append(out.getvalue())
+    stream.close()
+    assert out.getvalue() == "héllo €uro\n"
+    assert all("\ufffd" not in text for text in printed)
+    assert printed[0] == printed[1] == "h" and printed[2] == "hé"  # é waited for its 2nd byte
+
+
 @pytest.mark.parametrize("device, message", [
     pytest.param("cuda", "--device cuda: torch finds no CUDA GPU", marks=NO_GPU, id="cuda"),
     ("foo", "--device 'foo' is not a torch device"),
@@ -191,7 +207,8 @@ def test_data_refuses_a_threshold_outside_0_1(capsys):
 # --- no torch for --help ------------------------------------------------------------------------
 
 PROBE = """import sys
-from gptlab.cli import main
+from gptlab.bpe import ByteBPETokenizer
+from gptlab.cli import TextStream, main
 try:
     main(sys.argv[1:])
 except SystemExit:
