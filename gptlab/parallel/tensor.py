@@ -206,7 +206,7 @@ def vocab_cross_entropy_forward(logits, targets, *, vocab_start: int, group=None
     top = all_reduce(xp.max(logits, axis=-1, keepdims=True), group, dist.ReduceOp.MAX)  # (B, T, 1)
     shifted = logits - top  # (B, T, V/W)
     logsumexp = xp.log(all_reduce(xp.sum(xp.exp(shifted), axis=-1), group))  # (B, T)
-    mine = xp.where(inside, take_along_last(shifted, local), 0.0)  # (B, T) (-inf padding: no *)
+    mine = xp.where(inside, take_along_last(shifted, local), 0.0)  # (B, T) where: -inf * 0 = nan
     target_logit = all_reduce(mine, group)  # (B, T)
     loss = xp.sum(logsumexp - target_logit) / math.prod(targets.shape)  # ()
     probs = xp.exp(shifted - logsumexp[..., None])  # (B, T, V/W) this rank's slice of softmax
