@@ -13,19 +13,32 @@ The layers are in ``gptlab.layers``, torch integration in ``gptlab.autograd``, t
 ``gptlab.train``.
 """
 
-from .config import GPTConfig
-from .gradcheck import check_layer, check_model
-from .interop import from_hf, from_hf_llama, to_hf, to_hf_llama
-from .model import (
-    count_params,
-    gpt_backward,
-    gpt_forward,
-    init_params,
-    loss_and_grads,
-    param_shapes,
-)
-from .sample import generate
-from .source import show_source
+import importlib
+
+# name -> the module that defines it; imported on first use (PEP 562), so that ``import gptlab``
+# and ``python -m gptlab --help`` do not load torch
+_HOMES = {
+    "GPTConfig": "config",
+    "check_layer": "gradcheck", "check_model": "gradcheck",
+    "from_hf": "interop", "from_hf_llama": "interop", "to_hf": "interop", "to_hf_llama": "interop",
+    "count_params": "model", "gpt_backward": "model", "gpt_forward": "model",
+    "init_params": "model", "loss_and_grads": "model", "param_shapes": "model",
+    "generate": "sample",
+    "show_source": "source",
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'gptlab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    globals()[name] = value  # the next lookup finds it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])
+
 
 __version__ = "0.1.0"
 

@@ -1,23 +1,27 @@
-"""Command line: ``python -m gptlab train [--option value ...]``, ``python -m gptlab sample``, and
-for a course (gptlab.course, docs/COURSE.md) ``python -m gptlab edition {student,instructor} DIR``
-and ``python -m gptlab grade SUBMISSIONS_DIR``.
+"""Command line: ``python -m gptlab train [--option value ...]``, ``python -m gptlab sample``,
+``python -m gptlab data FILE... --out FILE`` (the data pipeline, gptlab.data_pipeline), and for a
+course (gptlab.course, docs/COURSE.md) ``python -m gptlab edition {student,instructor} DIR`` and
+``python -m gptlab grade SUBMISSIONS_DIR``.
 
 The ``train`` options are generated from the fields of ``TrainConfig``: one ``--field-name`` per
 field (``--field_name`` works too, unlisted), typed from its annotation, with the field's own
 description, its choices and its default as help. A new field is a new option; ``TRAIN_GROUPS``
 says under which heading ``--help`` lists it.
+
+Bad options are refused before any work starts: one line, exit code 2. torch is imported only by
+the commands that compute (``--help`` and the other commands' option errors take no time), and
+``train``'s options, generated from TrainConfig, load gptlab.train only for ``train``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from dataclasses import Field, fields
 
 from .course import CELL_TIMEOUT, CourseError, grade, instructor_edition, student_edition
-from .parallel.launch import LaunchFailed
-from .train import TrainConfig, TrainingDiverged, train
 
 TRAIN_GROUPS = {
     "model": ("n_layer", "n_head", "n_embd", "block_size", "gelu", "bias", "dropout", "position",
@@ -83,7 +87,14 @@ def _add_field(group, field: Field, annotation) -> None:
                                                  "help": argparse.SUPPRESS})
 
 
-def _add_train_command(commands) -> None:
+def _add_train_command(commands, options: bool = True) -> None:
+    """The ``train`` command; ``options=False`` leaves out its options (and gptlab.train, which
+    imports torch) where another command is parsed."""
+    if not options:
+        commands.add_parser("train", help="train (or --resume) a model")
+        return
+    from .train import TrainConfig
+
     parser = commands.add_parser(
         "train", help="train (or --resume) a model", description=TrainConfig.__doc__,
         epilog="Each option sets the TrainConfig field of its name (--max-iters: max_iters); "
@@ -99,6 +110,8 @@ def _add_train_command(commands) -> None:
         "--overwrite", action="store_true",
         help="start a new run in an out_dir that holds one (its checkpoint stays until the new "
              "run's first checkpoint is complete); without it such a directory is refused")
+    warmup = next(f.default for f in fields(TrainConfig) if f.name == "warmup_iters")
+    parser.set_defaults(warmup_iters=NotGiven(warmup))  # see config_from_args
 
 
 def _add_sample_command(commands) -> None:
@@ -121,6 +134,50 @@ def _add_sample_command(commands) -> None:
     option("--seed", 0, "seed of the sampling", type=int)
     option("--backend", "torch", "where the arithmetic runs", choices=("numpy", "torch"))
     option("--device", None, "torch device: cpu, cuda, cuda:1, mps...; none: cpu")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _add_data_command(commands) -> None:
+    parser = commands.add_parser(
+        "data", help="filter and deduplicate text files into one training file",
+        description="GPT-3's data pipeline in miniature (gptlab.data_pipeline.run_pipeline): read "
+                    "the documents of FILEs (split at SEPARATOR), drop exact duplicates (after "
+                    "normalising case and whitespace) and near-duplicates (MinHash signatures, "
+                    "LSH), and write the kept documents, in order, to --out. Bad input (a file "
+                    "that cannot be read, text that is not UTF-8, empty documents) is skipped "
+                    "and counted in the report.")
+
+    def option(flag, default, text, **options):
+        parser.add_argument(flag, default=default, help=_help(text, flag, default), **options)
+
+    parser.add_argument("files", nargs="+", metavar="FILE", help="text files to read, in order")
+    parser.add_argument("--out", required=True, help="the file to write the kept documents to")
+    option("--separator", "\n\n\n", "the text between two documents, in the inputs and the "
+           "output (in bash, type newlines as $'\\n')")
+    option("--dedup", True, "near-deduplication after the exact one (--no-dedup: exact only)",
+           action=argparse.BooleanOptionalAction)
+    option("--shingle-n", 3, "a shingle is this many consecutive units", type=_positive_int)
+    option("--shingle-unit", "word", "what a shingle counts", choices=("word", "char"))
+    option("--num-perm", 128, "values per MinHash signature", type=_positive_int)
+    option("--bands", 32, "LSH bands; bands x rows must not exceed --num-perm", type=_positive_int)
+    option("--rows", 4, "signature values per LSH band", type=_positive_int)
+    option("--threshold", 0.5, "estimated Jaccard similarity from which a document is a "
+           "near-duplicate of an earlier one", type=_fraction)
+    option("--seed", 0, "seed of the MinHash permutations", type=int)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar, only the report")
 
 
 def _add_course_commands(commands) -> None:
@@ -160,23 +217,41 @@ def _add_course_commands(commands) -> None:
                             "printed, in DIR/<student>/<chapter>.ipynb (default: none)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(train_options: bool = True) -> argparse.ArgumentParser:
+    """The parser of every command; ``train_options=False``: ``train`` without its options (no
+    torch imported), for parsing the other commands."""
     parser = argparse.ArgumentParser(
         prog="python -m gptlab",
-        description="Train a GPT and sample from it; make the course editions and grade them.")
+        description="Train a GPT and sample from it; prepare training text; make the course "
+                    "editions and grade them.")
     commands = parser.add_subparsers(dest="command", required=True)
-    _add_train_command(commands)
+    _add_train_command(commands, train_options)
     _add_sample_command(commands)
+    _add_data_command(commands)
     _add_course_commands(commands)
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig that parsed ``train`` arguments describe."""
-    return TrainConfig(**{field.name: getattr(args, field.name) for field in fields(TrainConfig)})
+class NotGiven(int):
+    """An option's default (equal to it) that tells config_from_args the option was not given."""
+
+
+def config_from_args(args: argparse.Namespace):
+    """The TrainConfig that parsed ``train`` arguments describe. Without --warmup-iters, the
+    default warmup (20) is shortened to fit a cosine that ends sooner."""
+    from .train import TrainConfig
+
+    values = {field.name: getattr(args, field.name) for field in fields(TrainConfig)}
+    warmup = values["warmup_iters"]
+    if isinstance(warmup, NotGiven) and values["lr_schedule"] == "cosine":
+        warmup = max(min(warmup, (values["lr_decay_iters"] or values["max_iters"]) - 1), 0)
+    return TrainConfig(**{**values, "warmup_iters": int(warmup)})
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from .parallel.launch import LaunchFailed
+    from .train import TrainingDiverged, train
+
     try:
         result = train(config_from_args(args), progress=not args.quiet, overwrite=args.overwrite)
     except (TrainingDiverged, LaunchFailed) as err:
@@ -191,16 +266,79 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_sample(args: argparse.Namespace) -> int:
-    from .parallel.checkpoint import load_run
-    from .sample import generate
+class TextStream:
+    """Prints the decoded text of tokens as they come (flushed) to ``out`` (None: stdout),
+    holding back the bytes of a character that byte-level tokens split until its last byte
+    arrives (at most 4 tokens: a UTF-8 character has at most 4 bytes)."""
 
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out, self.pending = tokenizer, out or sys.stdout, []
+
+    def __call__(self, token: int) -> None:
+        self.pending.append(token)
+        text = self.tokenizer.decode(self.pending)
+        if not text.endswith("\ufffd") or len(self.pending) >= 4:  # U+FFFD: incomplete
+            self.write(text)
+
+    def write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+        self.pending = []
+
+    def close(self) -> None:
+        self.write(self.tokenizer.decode(self.pending) + "\n")
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    from .config import check_device
+    from .parallel.checkpoint import load_run
+    from .sample import _check_sampling, generate
+
+    _check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.backend == "numpy" and args.device not in (None, "cpu"):
+        raise ValueError(f"--device {args.device}: the numpy backend runs on the CPU only")
+    check_device(args.device)
     ckpt = load_run(args.checkpoint, backend=args.backend, device=args.device)
     prompt_ids = ckpt.tokenizer.encode(args.prompt)
-    ids = generate(ckpt.params, ckpt.model_config, prompt_ids, args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed)
-    print(ckpt.tokenizer.decode(ids))
+    stream = TextStream(ckpt.tokenizer)
+    stream.write(args.prompt)
+    try:
+        generate(ckpt.params, ckpt.model_config, prompt_ids, args.max_new_tokens,
+                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                 seed=args.seed, on_token=stream)
+    except KeyboardInterrupt:  # Ctrl-C ends a long generation: no traceback
+        return 130
+    finally:  # what was generated is out, and the line ends
+        stream.close()
+    return 0
+
+
+def run_data(args: argparse.Namespace) -> int:
+    from .data_pipeline import DedupSettings, NearDuplicateIndex, run_pipeline
+
+    missing = [path for path in args.files if not os.path.isfile(path)]
+    if missing:
+        raise ValueError(f"no such input file: {', '.join(missing)}")
+    if os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(args.out) or "."):
+        raise ValueError(f"--out {args.out}: expected a file in an existing folder")
+    if os.path.exists(args.out) and any(os.path.samefile(path, args.out) for path in args.files):
+        raise ValueError(f"--out {args.out} is one of the input files: it would be overwritten")
+    if not args.separator:
+        raise ValueError("--separator must not be empty")
+    dedup = None
+    if args.dedup:
+        dedup = DedupSettings(args.shingle_n, args.shingle_unit, args.num_perm, args.bands,
+                              args.rows, args.threshold)
+        NearDuplicateIndex(dedup.num_perm, dedup.bands, dedup.rows, dedup.threshold)  # checks
+    report = run_pipeline(args.files, args.out, separator=args.separator, progress=not args.quiet,
+                          dedup=dedup, seed=args.seed)
+    for line in report.unreadable:
+        print(f"not read: {line}", file=sys.stderr)
+    print(f"{report.documents_read} documents read from {report.files_read} files "
+          f"({report.skipped} skipped as bad input); {report.exact_duplicates} exact and "
+          f"{report.near_duplicates} near-duplicates dropped; {report.kept} kept in {args.out}")
     return 0
 
 
@@ -227,11 +365,14 @@ def run_grade(args: argparse.Namespace) -> int:
     return 1 if grades.failed else 0
 
 
-COMMANDS = {"train": run_train, "sample": run_sample, "edition": run_edition, "grade": run_grade}
+COMMANDS = {"train": run_train, "sample": run_sample, "data": run_data, "edition": run_edition,
+            "grade": run_grade}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(train_options=command == "train").parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except (OSError, ValueError, CourseError) as err:  # bad paths, data, configs, checkpoints,

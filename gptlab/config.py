@@ -208,3 +208,28 @@ def _require_positive_int(name: str, value, also: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         allowed = f"a positive integer {also}".strip()
         raise ValueError(f"GPTConfig.{name} must be {allowed}, got {value!r}")
+
+
+def check_device(device: str | None, ranks: int = 1, option: str = "--device") -> None:
+    """ValueError (naming ``option``) unless torch can put tensors on ``device`` (None: the CPU),
+    and, for a CUDA device, this machine has a GPU for each of ``ranks`` processes."""
+    if device is None:
+        return
+    import torch  # only here: the configs themselves need no torch
+
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{option} {device!r} is not a torch device: cpu, cuda, cuda:1, mps, "
+                         "...") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{option} {device}: torch finds no CUDA GPU here "
+                         "(torch.cuda.is_available() is False): use --device cpu")
+    try:
+        torch.empty(0, device=where)  # no such GPU index, a backend this torch lacks
+    except (RuntimeError, AssertionError, NotImplementedError) as err:
+        reason = str(err).split(". ")[0][:120]
+        raise ValueError(f"{option} {device}: torch cannot use this device ({reason})") from None
+    if where.type == "cuda" and ranks > torch.cuda.device_count():
+        raise ValueError(f"{option} {device}: {ranks} ranks need a GPU each, this machine has "
+                         f"{torch.cuda.device_count()}")

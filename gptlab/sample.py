@@ -238,8 +238,10 @@ def _last_logits(params, cfg: GPTConfig, ids: list[int], cache: KVCache | None):
 def generate(params: dict, cfg: GPTConfig, prompt_ids, max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              stop_token: int | None = None, seed: int = 0, use_kv_cache: bool = True,
-             greedy: bool = False) -> list[int]:
+             greedy: bool = False, on_token=None) -> list[int]:
     """Extend ``prompt_ids`` by up to ``max_new_tokens`` tokens -> prompt + generated ids.
+    ``on_token(id)`` is called with each new token as soon as it is drawn (the command line
+    prints it then).
 
     ``greedy`` (or temperature 0) picks the argmax; otherwise tokens are drawn from
     ``next_token_distribution`` with a generator seeded by ``seed`` on the parameters' backend
@@ -265,6 +267,8 @@ def generate(params: dict, cfg: GPTConfig, prompt_ids, max_new_tokens: int, *,
             probs = next_token_distribution(logits, temperature, top_k, top_p)  # (1, V)
             token = sample_categorical(probs, generator)  # (1,)
         ids.append(int(token[0]))
+        if on_token is not None:
+            on_token(ids[-1])
         if ids[-1] == stop_token:
             break
     return ids

@@ -54,7 +54,7 @@ from .checkpoint import (
     require_fields,
     save_run_checkpoint,
 )
-from .config import GELU_ALIASES, GELU_FORMS, MLPS, NORMS, POSITIONS, GPTConfig
+from .config import GELU_ALIASES, GELU_FORMS, MLPS, NORMS, POSITIONS, GPTConfig, check_device
 from .data import EMBEDDED, get_batch, load_text, split_train_val
 from .fast import ATTENTIONS, CLASSIFIERS, PRECISIONS, FastStep, LossScaler, check_fast_config
 from .model import gpt_forward, init_params, loss_and_grads
@@ -63,6 +63,8 @@ from .parallel import MODES, mode_class
 from .parallel.base import Replicated, clipped_grads, rank_and_world
 from .parallel.checkpoint import load_run, save_sharded, shard_optimizer_state
 from .parallel.launch import init_process_group, launch, under_launcher
+from .parallel.pipeline import check_pipeline_config
+from .parallel.tensor import check_tensor_config
 from .schedule import SCHEDULES, make_schedule
 from .bpe import ByteBPETokenizer
 from .tokenizer import CharTokenizer, Tokenizer, load_tokenizer
@@ -74,6 +76,7 @@ RESUME_FREE = ("max_iters", "resume", "out_dir", "device", "threads", "parallel"
                "accum_steps")
 CLAIMED_ENV = "GPTLAB_RUN_DIR_CLAIMED"  # set by the launching process that holds the lock
 PARALLEL_CHOICES = ("none", *(name for name in MODES if name != "single"))
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3")  # the modes that split the batch over ranks
 
 
 class TrainingDiverged(RuntimeError):
@@ -218,6 +221,7 @@ class TrainConfig:
                      "accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        self._check_numbers()
         if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
             raise ValueError(f"TrainConfig.threads must be None or >= 1, got {self.threads!r}")
         if self.backend == "numpy" and self.threads is not None:
@@ -237,6 +241,43 @@ class TrainConfig:
         if len(self.betas) != 2:
             raise ValueError(f"TrainConfig.betas must be two numbers, got {self.betas!r}")
         self.model_config(vocab_size=1)  # validates the model fields now, not mid-run
+
+    def _check_numbers(self) -> None:
+        """The numeric options a run would trip over only later: ValueError naming the option."""
+        def refuse(name: str, expected: str):
+            option = "--" + name.replace("_", "-")
+            raise ValueError(f"TrainConfig.{name} ({option}) must be {expected}, got "
+                             f"{getattr(self, name)!r}")
+
+        for name in ("checkpoint_interval", "warmup_iters", "seed"):  # 0 allowed
+            if getattr(self, name) < 0:
+                refuse(name, "an integer >= 0")
+        for name in ("grad_clip", "lr", "weight_decay", "momentum"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0.0):
+                refuse(name, "a finite number >= 0")
+        if not (math.isfinite(self.eps) and self.eps > 0.0):
+            refuse("eps", "a number > 0 (AdamW divides by sqrt(v) + eps; 0 divides by zero)")
+        if not all(0.0 <= beta < 1.0 for beta in self.betas):
+            refuse("betas", "two numbers in [0, 1)")
+        if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
+            refuse("lr_decay_iters", "an integer >= 1 or None")
+        decay_iters = self.lr_decay_iters or self.max_iters
+        if self.lr_schedule == "cosine" and self.warmup_iters >= decay_iters:
+            raise ValueError(f"TrainConfig.warmup_iters (--warmup-iters {self.warmup_iters}) must "
+                             f"be below the update where the cosine ends (--lr-decay-iters, else "
+                             f"--max-iters: {decay_iters}): lower --warmup-iters, or raise "
+                             "--max-iters")
+        make_schedule(self.lr_schedule, lr=self.lr, min_lr=self.min_lr,
+                      warmup_iters=self.warmup_iters, decay_iters=decay_iters)  # the rest
+        if self.accum_steps > 1 and self.parallel in ("tensor", "pipeline"):
+            raise ValueError(f"TrainConfig.accum_steps (--accum-steps) splits the batch of the "
+                             f"data-parallel modes (ddp, zero1-3); parallel={self.parallel!r} "
+                             "takes the whole batch on every rank: use --accum-steps 1")
+        shares = self.nproc * self.accum_steps if self.parallel in DATA_PARALLEL else 1
+        if self.batch_size % shares:
+            raise ValueError(f"TrainConfig.batch_size (--batch-size {self.batch_size}) must split "
+                             f"evenly over --nproc {self.nproc} ranks x --accum-steps "
+                             f"{self.accum_steps} micro-steps: use a multiple of {shares}")
 
     def _fused_refusal(self) -> str | None:
         """Why the fused path cannot run this config, or None when it can."""
@@ -442,9 +483,9 @@ def train(cfg: TrainConfig, progress: bool = True, *,
     Raises TrainingDiverged when the loss or gradient norm is not finite, before the update is
     applied, so the last checkpoint on disk stays the last good one.
     """
+    check_start(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else cfg.nproc)
     with _claim(cfg, overwrite):
         if cfg.parallel != "none" and not under_launcher():
-            mode_class(cfg.parallel)  # a mode this gptlab lacks is an error here, before launch
             if cfg.resume:  # a damaged checkpoint is an error here, not in every rank
                 load_run(cfg.out_dir)
             return launch(_train_rank, cfg.nproc, asdict(cfg), progress,
@@ -520,6 +561,25 @@ def _check_resume(cfg: TrainConfig, ckpt, out_dir: Path, data_sha256: str, sourc
     if changed and report:
         print(f"resuming {out_dir} at step {ckpt.step} with changed settings: "
               f"{', '.join(changed)}", file=sys.stderr)
+
+
+def check_start(cfg: TrainConfig, world_size: int) -> None:
+    """What ``cfg`` asks of this machine and of ``world_size`` ranks, checked before any process
+    starts (ValueError naming the option): the device, and a parallel mode that can split this
+    model and batch over the ranks."""
+    check_device(cfg.device, ranks=world_size if cfg.parallel != "none" else 1)
+    if cfg.parallel == "none":
+        return
+    mode_class(cfg.parallel)  # a mode this gptlab lacks
+    model_cfg = cfg.model_config(vocab_size=world_size)  # the tokenizer comes later: any size
+    try:
+        if cfg.parallel == "tensor":
+            check_tensor_config(model_cfg, world_size)
+        elif cfg.parallel == "pipeline":
+            check_pipeline_config(model_cfg, world_size, batch_size=cfg.batch_size)
+    except ValueError as err:
+        raise ValueError(f"--parallel {cfg.parallel} on {world_size} ranks (--nproc): "
+                         f"{err}") from None
 
 
 def _train_rank(settings: dict, progress: bool):
@@ -640,5 +700,5 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
     return TrainResult(history, params, tokenizer, model_cfg, out_dir, log_path, checkpoint_path)
 
 
-__all__ = ["TrainConfig", "TrainResult", "TrainingDiverged", "train", "make_optimizer",
-           "dropout_seed", "read_log", "plot_losses", "LOG_FIELDS"]
+__all__ = ["TrainConfig", "TrainResult", "TrainingDiverged", "train", "check_start",
+           "make_optimizer", "dropout_seed", "read_log", "plot_losses", "LOG_FIELDS"]

@@ -55,7 +55,8 @@ AUTOGRAD_RUN = dict(
 NUMPY_RUN = dict(AUTOGRAD_RUN, backend="numpy", device="cpu", dropout=0.1, threads=None,
                  bias=True, mlp="moe", n_expert=4, expert_top_k=1, capacity_factor=1.5,
                  aux_loss_weight=0.1)
-PARALLEL_RUN = dict(AUTOGRAD_RUN, backend="torch", parallel="zero3", nproc=2, accum_steps=3)
+PARALLEL_RUN = dict(AUTOGRAD_RUN, backend="torch", parallel="zero3", nproc=2, accum_steps=3,
+                    batch_size=6)  # split over 2 ranks x 3 micro-steps
 FAST_RUN = dict(AUTOGRAD_RUN, backend="torch", dtype="float32", position="learned",
                 norm="layernorm", mlp="gelu", n_kv_head=None, tie_embeddings=True, fused=True,
                 recompute=True, attention="flash", classifier="chunked", precision="float16",
@@ -75,7 +76,7 @@ def parse_error(argv: list[str], capsys) -> str:
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["train", "sample"])
+@pytest.mark.parametrize("command", ["train", "sample", "data"])
 def test_every_option_has_a_description_and_its_default(command):
     parser = subcommand(command)
     shown = [a for a in parser._actions if a.help != argparse.SUPPRESS]
@@ -113,7 +114,8 @@ def test_help_groups_the_options_and_prints_choices_and_defaults(monkeypatch):
 
 def test_the_readme_help_commands_run():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for command, expected in (("train", "--max-iters"), ("sample", "--top-k")):
+    for command, expected in (("train", "--max-iters"), ("sample", "--top-k"),
+                              ("data", "--threshold")):
         proc = subprocess.run([sys.executable, "-m", "gptlab", command, "--help"], env=env,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr

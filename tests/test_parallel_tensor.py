@@ -226,9 +226,18 @@ def test_n_head_not_divisible_by_the_world_size_is_refused():
         check_tensor_config(GPTConfig(n_layer=1, n_head=3, n_embd=6, vocab_size=16), 2)
 
 
-def test_vocabulary_not_divisible_is_refused_with_the_padded_size():
-    with pytest.raises(ValueError, match=r"vocab_size \(15\).*pad the vocabulary to 16"):
-        check_tensor_config(GPTConfig(n_layer=1, n_head=4, n_embd=8, vocab_size=15), 4)
+ODD_VOCAB = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=103, block_size=4)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_vocabulary_the_ranks_do_not_divide_is_padded_and_trains_as_one_process(tie):
+    """V = 103 on 2 ranks: 52 rows each, the last one padding that never gets probability."""
+    cfg = GPTConfig(**{**ODD_VOCAB.to_dict(), "tie_embeddings": tie})
+    run = (cfg, 3, 4, 4)
+    check_tensor_config(cfg, 2)  # any vocabulary is accepted
+    ranks = run_ranks(train_in_both_dtypes, 2, "tensor", run, {}, timeout=120)
+    assert_equal_to_one_process(ranks, *run)
+    assert ranks[0]["float64"][1]["wte.weight"].shape == (103, 8)  # the padding left out again
 
 
 @pytest.mark.parametrize("fields", [dict(ln_order="post"), dict(mlp="swiglu"),

@@ -151,6 +151,24 @@ def split_layers(n_layer: int, n_stages: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
 
 
+N_MICRO = 4  # micro-batches per step unless PipelineParallel(n_micro=...) says otherwise
+
+
+def check_pipeline_config(cfg: GPTConfig, n_stages: int, n_micro: int = N_MICRO,
+                          batch_size: int | None = None) -> None:  # fmt: skip
+    """ValueError unless ``cfg`` runs as ``n_stages`` stages on ``n_micro`` micro-batches (and
+    ``batch_size``, when given, splits into them)."""
+    if cfg.mlp == "moe" or cfg.position != "learned" or cfg.dropout != 0.0:
+        raise ValueError("pipeline parallel supports learned positions and blocks without "
+                         "experts or dropout")  # fmt: skip
+    if not isinstance(n_micro, int) or n_micro < 1:
+        raise ValueError(f"n_micro must be a positive integer, got {n_micro!r}")
+    split_layers(cfg.n_layer, n_stages)
+    if batch_size is not None and batch_size % n_micro:
+        raise ValueError(f"pipeline parallel splits the batch into {n_micro} micro-batches: the "
+                         f"batch size ({batch_size}) must be a multiple of {n_micro}")
+
+
 # --- the mode ------------------------------------------------------------------------------------
 
 
@@ -163,18 +181,14 @@ class PipelineParallel:
     waiting), ``busy``, ``span`` (the longest stage's step), ``idle`` = 1 - busy/span and
     ``peak_activations``."""
 
-    def __init__(self, cfg: GPTConfig, params: dict, group=None, *, n_micro: int = 4,
+    def __init__(self, cfg: GPTConfig, params: dict, group=None, *, n_micro: int = N_MICRO,
                  schedule: str = "1f1b"):  # fmt: skip
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
-        if cfg.mlp == "moe" or cfg.position != "learned" or cfg.dropout != 0.0:
-            raise ValueError("pipeline parallel supports learned positions and blocks without "
-                             "experts or dropout")  # fmt: skip
-        if not isinstance(n_micro, int) or n_micro < 1:
-            raise ValueError(f"n_micro must be a positive integer, got {n_micro!r}")
         check_params(params, cfg)
         self.cfg, self.group, self.n_micro = cfg, group, n_micro
         self.stage, self.n_stages = rank_and_world(group)
+        check_pipeline_config(cfg, self.n_stages, n_micro)
         self.layers = split_layers(cfg.n_layer, self.n_stages)[self.stage]
         self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1
         self.schedule = SCHEDULES[schedule](self.n_stages, n_micro)
@@ -354,5 +368,5 @@ class PipelineParallel:
 __all__ = [
     "PipelineParallel", "gpipe_schedule", "one_f_one_b_schedule", "SCHEDULES", "dependencies",
     "simulate", "check_schedule", "peak_activations", "bubble_fraction", "idle_fraction",
-    "split_layers",
+    "split_layers", "check_pipeline_config", "N_MICRO",
 ]  # fmt: skip

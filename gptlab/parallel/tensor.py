@@ -20,13 +20,17 @@ so one block is, on rank r (the bias of a row-parallel layer is added once, afte
     m  = g(gelu(f(LN2(x1)) @ c_fc_r + b_fc_r) @ c_proj_r) + b_proj
 
 The token embedding is split by vocabulary rows: rank r looks up the ids of its slice, writes
-zeros for the others, and g sums the pieces. The tied head then gives logits for the rank's
-slice only (B, T, V/W), and the cross-entropy is computed without ever gathering them: the max
-and the sum of exponentials are all-reduced over the slices, and each rank's dlogits is its own
-slice of probs - onehot. LayerNorms, wpe and the row-parallel biases are replicated: the
-activations they touch, and the gradients flowing into those activations, are the same on every
-rank (f sums dx before it leaves a layer, g hands every rank the same dy), so their gradients are
-identical everywhere and need no communication.
+zeros for the others, and g sums the pieces. The tied head then gives logits for the rank's slice
+only (B, T, V/W), and the cross-entropy is computed without ever gathering them: the max and the
+sum of exponentials are all-reduced over the slices, and each rank's dlogits is its own slice of
+probs - onehot. A vocabulary V that W does not divide is padded with zero rows to W ceil(V/W):
+the padded ids never occur, and their logits are set to -inf before the softmax, so they get no
+probability and no gradient (the saved model has V rows again).
+
+LayerNorms, wpe and the row-parallel biases are replicated: the activations they touch, and the
+gradients flowing into those activations, are the same on every rank (f sums dx before it leaves
+a layer, g hands every rank the same dy), so their gradients are identical everywhere and need no
+communication.
 
 Book: chapter 15, "One model, many devices".
 """
@@ -38,7 +42,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..backend import array_namespace, take_along_last
+from ..backend import array_device, array_namespace, take_along_last
 from ..checks import require_ids_in_range, require_int, require_shape
 from ..config import GPTConfig
 from ..layers.attention import multihead_backward, multihead_forward
@@ -202,7 +206,7 @@ def vocab_cross_entropy_forward(logits, targets, *, vocab_start: int, group=None
     top = all_reduce(xp.max(logits, axis=-1, keepdims=True), group, dist.ReduceOp.MAX)  # (B, T, 1)
     shifted = logits - top  # (B, T, V/W)
     logsumexp = xp.log(all_reduce(xp.sum(xp.exp(shifted), axis=-1), group))  # (B, T)
-    mine = take_along_last(shifted, local) * xp.astype(inside, logits.dtype)  # (B, T)
+    mine = xp.where(inside, take_along_last(shifted, local), 0.0)  # (B, T) where: -inf * 0 = nan
     target_logit = all_reduce(mine, group)  # (B, T)
     loss = xp.sum(logsumexp - target_logit) / math.prod(targets.shape)  # ()
     probs = xp.exp(shifted - logsumexp[..., None])  # (B, T, V/W) this rank's slice of softmax
@@ -220,7 +224,8 @@ def vocab_cross_entropy_backward(dloss, cache):
 
 
 def check_tensor_config(cfg: GPTConfig, world_size: int) -> None:
-    """ValueError unless ``cfg`` is a GPT-2 model that splits evenly over ``world_size`` ranks."""
+    """ValueError unless ``cfg`` is a GPT-2 model whose heads and MLP split evenly over
+    ``world_size`` ranks (any vocabulary: it is padded)."""
     unsupported = {"ln_order": "pre", "norm": "layernorm", "mlp": "gelu", "position": "learned"}
     for name, value in unsupported.items():
         if getattr(cfg, name) != value:
@@ -235,11 +240,6 @@ def check_tensor_config(cfg: GPTConfig, world_size: int) -> None:
     if cfg.mlp_hidden_size % world_size != 0:
         raise ValueError(f"the MLP width ({cfg.mlp_hidden_size}) must be divisible by the world "
                          f"size ({world_size})")  # fmt: skip
-    if cfg.vocab_size % world_size != 0:
-        padded = world_size * math.ceil(cfg.vocab_size / world_size)
-        raise ValueError(f"vocab_size ({cfg.vocab_size}) must be divisible by the world size "
-                         f"({world_size}): pad the vocabulary to {padded} rows "
-                         f"(GPTConfig(vocab_size={padded}); the extra tokens never occur)")
 
 
 def shard_rule(name: str) -> str:
@@ -260,8 +260,8 @@ def shard_param(name: str, full, rank: int, world_size: int):
     if rule == "replicated":
         return full
     if rule == "rows":
-        n = full.shape[0] // world_size
-        return full[rank * n : (rank + 1) * n]  # (n, ...)
+        n = -(-full.shape[0] // world_size)  # ceil: a vocabulary W does not divide is padded
+        return _padded(full, 0, n * world_size)[rank * n : (rank + 1) * n]  # (n, ...)
     if rule == "columns":
         return _columns(full, rank, world_size)  # (..., n/W)
     xp = array_namespace(full)
@@ -271,22 +271,35 @@ def shard_param(name: str, full, rank: int, world_size: int):
     return xp.concat(parts, axis=-1)  # (..., 3C/W)
 
 
+def _padded(full, axis: int, size: int):
+    """``full`` with zeros appended along ``axis`` up to ``size`` (itself when it has that many)."""
+    xp = array_namespace(full)
+    extra = size - full.shape[axis]
+    if extra == 0:
+        return full
+    shape = list(full.shape)
+    shape[axis] = extra
+    zeros = xp.zeros(tuple(shape), dtype=full.dtype, device=array_device(full))
+    return xp.concat([full, zeros], axis=axis)
+
+
 def _columns(full, rank: int, world_size: int):
-    """The rank-th of world_size equal blocks of columns of ``full`` (..., n) -> (..., n/W)."""
-    n = full.shape[-1] // world_size
-    return full[..., rank * n : (rank + 1) * n]  # (..., n/W)
+    """The rank-th of world_size equal blocks of columns of ``full`` (..., n), zero-padded to a
+    multiple of world_size -> (..., ceil(n/W))."""
+    n = -(-full.shape[-1] // world_size)
+    return _padded(full, full.ndim - 1, n * world_size)[..., rank * n : (rank + 1) * n]
 
 
-def unshard_param(name: str, pieces: list):
-    """The full parameter ``name`` from every rank's part, in rank order."""
+def unshard_param(name: str, pieces: list, shape: tuple | None = None):
+    """The full parameter ``name`` from every rank's part, in rank order; ``shape``: its shape
+    without the vocabulary's padding (None: keep what the pieces make)."""
     xp = array_namespace(pieces[0])
     rule = shard_rule(name)
     if rule == "replicated":
         return pieces[0]
-    if rule == "rows":
-        return xp.concat(pieces, axis=0)
-    if rule == "columns":
-        return xp.concat(pieces, axis=-1)
+    if rule in ("rows", "columns"):
+        full = xp.concat(pieces, axis=0 if rule == "rows" else -1)
+        return full if shape is None else full[tuple(slice(0, n) for n in shape)]
     n = pieces[0].shape[-1] // 3
     return xp.concat([piece[..., j * n : (j + 1) * n] for j in range(3) for piece in pieces],
                      axis=-1)  # (..., 3C): all q columns, then k, then v  # fmt: skip
@@ -301,8 +314,10 @@ class TensorParallel:
         self.rank, self.world_size = rank_and_world(group)
         check_tensor_config(cfg, self.world_size)
         check_params(params, cfg)
+        self.shapes = param_shapes(cfg)  # the full shapes, the vocabulary unpadded
         self.params = self.shard(params)
-        self.vocab_start = self.rank * (cfg.vocab_size // self.world_size)
+        self.vocab_local = self.params["wte.weight"].shape[0]  # ceil(V / W), padding included
+        self.vocab_start = self.rank * self.vocab_local
 
     def _head(self):
         """This rank's columns of the output head (C, V/W): its wte rows transposed when tied."""
@@ -325,6 +340,9 @@ class TensorParallel:
         xf, c["ln_f"] = layernorm_forward(x, p["ln_f.weight"], p.get("ln_f.bias"), eps=eps)
         xr, c["f"] = f_forward(xf, group=group)  # (B, T, C) the head is column-parallel
         logits, c["head"] = linear_forward(xr, self._head())  # (B, T, V/W)
+        ids = self.vocab_start + torch.arange(self.vocab_local, device=logits.device)  # (V/W,)
+        # the padding's logits: -inf, so probability 0 and (probs - onehot) 0, dlogits untouched
+        logits = torch.where(ids < cfg.vocab_size, logits, -math.inf)  # (B, T, V/W)
         loss, c["loss"] = vocab_cross_entropy_forward(logits, targets, vocab_start=self.vocab_start,
                                                       group=group)  # ()  # fmt: skip
         return loss, c
@@ -419,13 +437,13 @@ class TensorParallel:
                 continue
             pieces = [torch.empty_like(value) for _ in range(self.world_size)]
             dist.all_gather(pieces, value.contiguous(), group=self.group)
-            full[name] = unshard_param(name, pieces)
+            full[name] = unshard_param(name, pieces, self.shapes[name])
         return full
 
     def full_params(self) -> dict:
         """Every parameter whole, on every rank."""
         full = self.unshard(self.params)
-        return {name: full[name] for name in param_shapes(self.cfg)}
+        return {name: full[name] for name in self.shapes}
 
 __all__ = [
     "TensorParallel", "f_forward", "f_backward", "g_forward", "g_backward",
