@@ -43,10 +43,10 @@ def _phi(x, TANH: tl.constexpr):
 
 
 @triton.jit
-def _bias_gelu_forward_kernel(h_ptr, b_ptr, y_ptr, N, H, HAS_BIAS: tl.constexpr,
-                              TANH: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_H: tl.constexpr):  # fmt: skip
-    """Program (row tile, column tile): y = gelu(h + b) of a (BLOCK_N, BLOCK_H) tile."""
+def _load_x(h_ptr, b_ptr, N, H, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_H: tl.constexpr):  # fmt: skip
+    """x = h + b of this program's (BLOCK_N, BLOCK_H) tile in float32, with the tile's offsets,
+    its mask (the edges) and its columns."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (bn,)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # (bh,)
     at = rows[:, None].to(tl.int64) * H + cols[None, :]  # (bn, bh)
@@ -54,6 +54,15 @@ def _bias_gelu_forward_kernel(h_ptr, b_ptr, y_ptr, N, H, HAS_BIAS: tl.constexpr,
     x = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)  # (bn, bh)
     if HAS_BIAS:
         x += tl.load(b_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+    return x, at, mask, cols
+
+
+@triton.jit
+def _bias_gelu_forward_kernel(h_ptr, b_ptr, y_ptr, N, H, HAS_BIAS: tl.constexpr,
+                              TANH: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_H: tl.constexpr):  # fmt: skip
+    """Program (row tile, column tile): y = gelu(h + b) of a (BLOCK_N, BLOCK_H) tile."""
+    x, at, mask, cols = _load_x(h_ptr, b_ptr, N, H, HAS_BIAS, BLOCK_N, BLOCK_H)  # (bn, bh)
     tl.store(y_ptr + at, x * _phi(x, TANH), mask=mask)
 
 
@@ -62,13 +71,7 @@ def _bias_gelu_backward_kernel(dy_ptr, h_ptr, b_ptr, dh_ptr, db_part_ptr, N, H,
                                HAS_BIAS: tl.constexpr, TANH: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_H: tl.constexpr):  # fmt: skip
     """Program (row tile i, column tile): dh of its tile, and row i of db's partial sums."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (bn,)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # (bh,)
-    at = rows[:, None].to(tl.int64) * H + cols[None, :]  # (bn, bh)
-    mask = (rows[:, None] < N) & (cols[None, :] < H)
-    x = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)  # (bn, bh)
-    if HAS_BIAS:
-        x += tl.load(b_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+    x, at, mask, cols = _load_x(h_ptr, b_ptr, N, H, HAS_BIAS, BLOCK_N, BLOCK_H)  # (bn, bh)
     dy = tl.load(dy_ptr + at, mask=mask, other=0.0).to(tl.float32)  # (bn, bh)
     phi = _phi(x, TANH)  # (bn, bh)
     if TANH:

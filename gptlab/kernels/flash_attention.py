@@ -206,21 +206,25 @@ class _Launch:
 
 
 def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                            block_q: int = 128, block_k: int = 64, num_warps: int | None = None,
-                            num_stages: int = 2):  # fmt: skip
+                            block_q: int | None = None, block_k: int = 64,
+                            num_warps: int | None = None, num_stages: int = 2):  # fmt: skip
     """q (..., Tq, hs), k (..., Tk, hs), v (..., Tk, hv) -> (out (..., Tq, hv), cache), as the
-    layer; the leading dims of q, k, v must be equal (no broadcast) and hs, hv at most 256. The
-    cache is (q, k, v, out, lse (..., Tq, 1) float32, settings)."""
+    layer; the leading dims of q, k, v must be equal (no broadcast) and hs, hv at most 128. The
+    cache is (q, k, v, out, lse (..., Tq, 1) float32, settings). ``block_q`` None: 128, or 64 for
+    float32 heads over 64 (the backward's tiles of float32 then fill the 227 KB of shared memory
+    an H100 block may have)."""
     _check_inputs(q, k, v, None, causal)
     check_tensors(q=q, k=k, v=v)
+    (Tq, hs), (Tk, hv) = q.shape[-2:], v.shape[-2:]
+    if block_q is None:
+        block_q = 64 if q.dtype == torch.float32 and max(hs, hv) > 64 else 128
     _check_block("block_q", block_q)
     _check_block("block_k", block_k)
     if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
         raise ValueError(f"the Triton kernel needs q, k, v with equal leading dims, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
-    (Tq, hs), (Tk, hv) = q.shape[-2:], v.shape[-2:]
-    if Tq == 0 or max(hs, hv) > 256:
-        raise ValueError(f"the Triton kernel needs Tq >= 1 and head sizes up to 256, got "
+    if Tq == 0 or max(hs, hv) > 128:
+        raise ValueError(f"the Triton kernel needs Tq >= 1 and head sizes up to 128, got "
                          f"Tq={Tq}, hs={hs}, hv={hv}")  # fmt: skip
     if causal and Tq > Tk:
         raise ValueError(f"causal=True with Tq={Tq} > Tk={Tk} leaves queries without a key")
