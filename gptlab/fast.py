@@ -20,7 +20,7 @@ Switches: ``attention="flash"`` (``layers/flash_attention.py``, O(T) memory per 
 ``loss_scale`` (the backward starts from dloss = loss_scale: float16's loss scaling),
 ``kernels="triton"`` (``gptlab/kernels/``: LayerNorm, bias + GELU, flash attention and the
 classifier as Triton kernels, whatever ``attention`` and ``classifier`` say; the matmuls stay
-torch's). ``kernels=None``, the default, takes Triton on CUDA tensors when Triton imports and
+torch's). ``kernels="auto"``, the default, takes Triton on CUDA tensors when Triton imports and
 the torch ops elsewhere.
 
 Covered: GPT-2's models (pre-LN, LayerNorm, GELU MLP tanh or erf, learned positions, tied head,
@@ -50,7 +50,7 @@ from .model import _check_idx, block_params, check_params
 ATTENTIONS = ("sdpa", "flash")
 CLASSIFIERS = ("full", "chunked")
 PRECISIONS = ("float32", "bfloat16", "float16")
-KERNELS = ("torch", "triton")
+KERNELS = ("auto", "torch", "triton")
 _GELU_CUBIC = 0.044715
 
 
@@ -70,27 +70,32 @@ def new_grad_buffers(params: dict) -> dict:
     return {name: torch.zeros_like(p) for name, p in params.items()}
 
 
-def triton_refusal(device) -> str | None:
-    """Why kernels="triton" cannot run on tensors on ``device``, or None when it can."""
-    from .kernels.launch import interpreting, triton_unavailable
+def triton_refusal(device, dtype=torch.float32) -> str | None:
+    """Why kernels="triton" cannot run on ``dtype`` tensors (a torch dtype or its name) on
+    ``device``, or None when it can."""
+    from .kernels.launch import DTYPES, interpreting, triton_unavailable
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
     reason = triton_unavailable()
     if reason is None and torch.device(device or "cpu").type != "cuda" and not interpreting():
         reason = (f"the tensors are on {device or 'cpu'}; the kernels run on CUDA tensors (on the "
                   "CPU only under Triton's interpreter, TRITON_INTERPRET=1)")
+    if reason is None and dtype not in DTYPES:
+        reason = f"the kernels compute in float32, bfloat16 or float16, not {dtype}"
     return reason
 
 
-def resolve_kernels(kernels: str | None, device) -> str:
-    """The kernels a step on ``device`` runs: ``kernels`` itself, checked, or for None "triton"
-    on CUDA when Triton imports and "torch" elsewhere. ValueError naming the option when
-    "triton" cannot run there."""
-    if kernels is None:
+def resolve_kernels(kernels: str, device, dtype=torch.float32) -> str:
+    """The kernels a step on ``dtype`` tensors on ``device`` runs: "torch" or "triton" as asked,
+    checked, or for "auto" "triton" on CUDA when Triton imports (and the dtype is not float64)
+    and "torch" elsewhere. ValueError naming the option when "triton" cannot run there."""
+    if kernels == "auto":
         on_cuda = torch.device(device or "cpu").type == "cuda"
-        return "triton" if on_cuda and triton_refusal(device) is None else "torch"
+        return "triton" if on_cuda and triton_refusal(device, dtype) is None else "torch"
     if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS} or None, got {kernels!r}")
-    reason = triton_refusal(device) if kernels == "triton" else None
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    reason = triton_refusal(device, dtype) if kernels == "triton" else None
     if reason is not None:
         raise ValueError(f"kernels='triton' (--kernels triton) cannot run here: {reason}; use "
                          "kernels='torch' (--kernels torch)")
@@ -353,18 +358,18 @@ def _block_backward(dy, cache, p, grads, prefix, cfg, B, T, attention, parts=_Pa
 def fast_loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, buffers=None, *,
                         attention: str = "sdpa", classifier: str = "full",
                         recompute: bool = False, loss_scale: float = 1.0,
-                        kernels: str | None = None):  # fmt: skip
+                        kernels: str = "auto"):  # fmt: skip
     """One forward and hand-written backward of a GPT-2 model on torch: (loss as a Python float,
     grads dict), as ``gptlab.model.loss_and_grads``. ``buffers`` (``new_grad_buffers``): the
     tensors the gradients are written into, returned as the grads dict (so a caller that keeps
     last step's gradients must copy them). ``loss_scale``: the gradients are those of
     loss_scale * loss (the returned loss is not scaled). ``kernels``: see the module docstring."""
     _check_call(params, idx, targets, cfg, buffers, attention, classifier)
-    parts = _parts(resolve_kernels(kernels, params["wte.weight"].device))
+    wte = params["wte.weight"]  # (V, C)
+    parts = _parts(resolve_kernels(kernels, wte.device, wte.dtype))
     grads = new_grad_buffers(params) if buffers is None else buffers
     B, T = idx.shape
     N, C = B * T, cfg.n_embd
-    wte = params["wte.weight"]  # (V, C)
     ids, target_ids = idx.reshape(N), targets.reshape(N)  # (N,)
     # x0 = wte[idx] + wpe[0..T-1]
     x = wte[ids].view(B, T, C).add_(params["wpe.weight"][:T]).view(N, C)  # (N, C)

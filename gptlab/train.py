@@ -187,10 +187,10 @@ class TrainConfig:
     precision: str = setting("float32", "compute precision of --fused: float32, or bfloat16 / "
                              "float16 (dynamic loss scaling) from float32 master weights",
                              choices=PRECISIONS)
-    kernels: str | None = setting(None, "torch: the fused path in torch ops; triton: LayerNorm, "
-                                  "bias + GELU, flash attention and the classifier as Triton "
-                                  "kernels (gptlab/kernels); none: triton on CUDA when Triton "
-                                  "imports, torch elsewhere", choices=(*KERNELS, None))
+    kernels: str = setting("auto", "torch: the fused path in torch ops; triton: LayerNorm, bias + "
+                           "GELU, flash attention and the classifier as Triton kernels "
+                           "(gptlab/kernels); auto: triton on CUDA when Triton imports, torch "
+                           "elsewhere", choices=KERNELS)
     loss_scale_interval: int = setting(1000, "float16: good steps in a row before the loss "
                                        "scale doubles")
     # parallel training (gptlab.parallel)
@@ -275,7 +275,7 @@ class TrainConfig:
         if self.kernels == "triton":
             if not self.runs_fused:
                 raise ValueError("kernels='triton' runs on the fused path: add fused=True (--fused)")
-            resolve_kernels("triton", self.device)
+            resolve_kernels("triton", self.device, self.dtype)
         if self.loss_scale_interval < 1:
             raise ValueError(f"TrainConfig.loss_scale_interval must be >= 1, got "
                              f"{self.loss_scale_interval!r}")

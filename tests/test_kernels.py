@@ -325,10 +325,14 @@ def test_asking_for_triton_where_it_cannot_run_names_the_option(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="--kernels torch"):
         resolve_kernels("triton", "cpu")  # CPU tensors need the interpreter
-    assert resolve_kernels(None, "cpu") == "torch"
+    assert resolve_kernels("auto", "cpu") == "torch"
     with pytest.raises(ValueError, match="kernels must be one of"):
         resolve_kernels("cuda", "cpu")
     with pytest.raises(ValueError, match="kernels='triton'"):
         TrainConfig(kernels="triton", device="cpu")
     with pytest.raises(ValueError, match="fused path"):
         TrainConfig(kernels="triton", fused=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # where the kernels run, but not in float64:
+    with pytest.raises(ValueError, match="not torch.float64"):
+        TrainConfig(kernels="triton", dtype="float64", device="cpu")
+    assert resolve_kernels("auto", "cuda", torch.float64) == "torch"  # the default falls back
