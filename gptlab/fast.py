@@ -271,43 +271,49 @@ class _Parts:
 def _triton_parts():
     """_Parts with the Triton kernels (imported here: Triton is needed only when asked for).
     The kernels return new gradients; these copy dw, db into the buffers."""
-    from .kernels import bias_gelu, classifier, flash_attention, layernorm
+    from .kernels import bias_gelu, flash_attention, layernorm
+    from .kernels.classifier import classifier_forward
 
-    def layernorm_back_(dy, cache, dw, db):
-        dx, dw_kernel, db_kernel = layernorm.layernorm_backward(dy, cache)
-        dw.copy_(dw_kernel)
-        if db is not None:
-            db.copy_(db_kernel)
-        return dx  # (N, C)
+    class TritonParts:
+        @staticmethod
+        def layernorm(x, w, b, eps):
+            return layernorm.layernorm_forward(x, w, b, eps=eps)  # (N, C)
 
-    def mlp_up(h2, w, b, approximate):
-        return bias_gelu.bias_gelu_forward(h2 @ w, b, approximate=approximate)  # (N, 4C)
+        @staticmethod
+        def layernorm_back_(dy, cache, dw, db):
+            dx, dw_kernel, db_kernel = layernorm.layernorm_backward(dy, cache)  # (N, C)
+            dw.copy_(dw_kernel)
+            if db is not None:
+                db.copy_(db_kernel)
+            return dx
 
-    def mlp_up_back(dg, cache, h2, w, dw, db, approximate):
-        # g = gelu(hpre + b_fc)
-        dhpre, db_kernel = bias_gelu.bias_gelu_backward(dg, cache)  # (N, 4C)
-        if db is not None:
-            db.copy_(db_kernel)
-        # hpre = h2 @ w_fc
-        torch.mm(h2.T, dhpre, out=dw)
-        return dhpre @ w.T  # (N, C)
+        @staticmethod
+        def mlp_up(h2, w, b, approximate):
+            return bias_gelu.bias_gelu_forward(h2 @ w, b, approximate=approximate)  # (N, 4C)
 
-    def attention_core(qkv, B, T, n_head, attention):  # always the flash kernel
-        return _attention_core(qkv, B, T, n_head, "flash", flash_attention.flash_attention_forward)
+        @staticmethod
+        def mlp_up_back(dg, cache, h2, w, dw, db, approximate):
+            # g = gelu(hpre + b_fc)
+            dhpre, db_kernel = bias_gelu.bias_gelu_backward(dg, cache)  # (N, 4C)
+            if db is not None:
+                db.copy_(db_kernel)
+            # hpre = h2 @ w_fc
+            torch.mm(h2.T, dhpre, out=dw)
+            return dhpre @ w.T  # (N, C)
 
-    def attention_core_back(dheads, cache, B, T, n_head, attention):
-        return _attention_core_back(dheads, cache, B, T, n_head, "flash",
-                                    flash_attention.flash_attention_backward)  # fmt: skip
+        @staticmethod
+        def attention_core(qkv, B, T, n_head, attention):  # the flash kernel, always
+            return _attention_core(qkv, B, T, n_head, "flash",
+                                   flash_attention.flash_attention_forward)  # fmt: skip
 
-    def layernorm_forward(x, w, b, eps):
-        return layernorm.layernorm_forward(x, w, b, eps=eps)
+        @staticmethod
+        def attention_core_back(dheads, cache, B, T, n_head, attention):
+            return _attention_core_back(dheads, cache, B, T, n_head, "flash",
+                                        flash_attention.flash_attention_backward)  # fmt: skip
 
-    return type("TritonParts", (), {
-        "layernorm": staticmethod(layernorm_forward), "layernorm_back_": staticmethod(layernorm_back_),
-        "mlp_up": staticmethod(mlp_up), "mlp_up_back": staticmethod(mlp_up_back),
-        "attention_core": staticmethod(attention_core),
-        "attention_core_back": staticmethod(attention_core_back),
-        "classifier": staticmethod(classifier.classifier_forward)})  # fmt: skip
+        classifier = staticmethod(classifier_forward)
+
+    return TritonParts
 
 
 def _parts(kernels: str):
