@@ -20,8 +20,10 @@ each recomputing the weights of a tile from L, P = exp(s - L), and
 
 Causal: query i sees the keys j <= i + (Tk - Tq); a tile past the last query's diagonal is never
 loaded, the tiles across it are masked. Edge tiles (T not a multiple of the tile, head sizes not
-a power of two) are masked on load. Tile sizes: 128 x 64 (FlashAttention-2's H100 choice for head
-size 64 and 128), 4 warps for hs <= 64, 8 above.
+a power of two) are masked on load. Tile sizes: 128 queries x 64 keys (FlashAttention-2's choice
+for head sizes 64 and 128; 64 x 64 for float32 heads over 64), 4 warps for hs <= 64, 8 above.
+Under the interpreter (NumPy has no bfloat16) bfloat16 tiles are multiplied in float32 after
+rounding to bfloat16: the same products as the tensor cores'.
 
 Book: chapter 23, "Flash attention as kernels".
 """
