@@ -108,8 +108,8 @@ def run_steps(args, cfg, peak: float) -> list[dict]:
     for precision in ("bfloat16", "float32"):
         steps = {**gptlab_steps(cfg, params, idx, targets, precision),
                  **nanogpt_steps(args.nanogpt, idx, targets, precision)}  # fmt: skip
-        memory = {name: peak_bytes(step, "cuda") for name, step in steps.items()}  # + warm-up
-        paired_times(steps, 2, "cuda")  # compiled contenders: compile and settle first
+        paired_times(steps, 2, "cuda")  # warm-up: Triton's and torch.compile's compiles first
+        memory = {name: peak_bytes(step, "cuda") for name, step in steps.items()}
         seconds = paired_times(steps, args.rounds, "cuda")
         for name, times in seconds.items():
             median = statistics.median(times)
@@ -141,6 +141,7 @@ def run_attention() -> list[dict]:
             return torch.autograd.grad(out, leaves, dout)
 
         steps = {"Triton flash": triton_flash, "F.scaled_dot_product_attention": torch_sdpa}
+        paired_times(steps, 1, "cuda")  # warm-up
         memory = {name: peak_bytes(step, "cuda") for name, step in steps.items()}
         seconds = paired_times(steps, 10, "cuda")
         for name, times in seconds.items():
