@@ -21,8 +21,8 @@ Needs a CUDA device: without one it says so and exits 0, measuring nothing.
    matmul peak measured in the same run (the median of a few 8192^3 ``mm``). Peak memory:
    ``torch.cuda.max_memory_allocated`` during one step, above what was allocated before.
 2. Causal attention alone, forward + backward, 12 heads of 64, bf16, T = 1k to 16k (batch
-   16k / T): the flash kernel against ``F.scaled_dot_product_attention`` (cuDNN's or FlashAttention's
-   kernel) with autograd, ms and peak memory.
+   16k / T): the flash kernel against ``F.scaled_dot_product_attention`` (cuDNN's or
+   FlashAttention's kernel) with autograd, ms and peak memory.
 
 Writes ``benchmarks/results/gpu.json`` and ``gpu.md`` with the machine and versions.
 """

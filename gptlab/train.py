@@ -274,7 +274,8 @@ class TrainConfig:
                              f"dtype='float32', not {self.dtype!r}")
         if self.kernels == "triton":
             if not self.runs_fused:
-                raise ValueError("kernels='triton' runs on the fused path: add fused=True (--fused)")
+                raise ValueError("kernels='triton' runs on the fused path: add fused=True "
+                                 "(--fused)")
             resolve_kernels("triton", self.device, self.dtype)
         if self.loss_scale_interval < 1:
             raise ValueError(f"TrainConfig.loss_scale_interval must be >= 1, got "

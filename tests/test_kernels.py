@@ -127,6 +127,25 @@ def test_flash_attention_half_precision_matches_the_layer(dtype):
         assert_close(g, w, dtype, name)
 
 
+@pytest.mark.parametrize("n_kv_head", [1, 2])
+def test_flash_attention_shares_key_value_heads(n_kv_head):
+    """GQA: 4 query heads on n_kv_head key/value heads (query head h reads h // (4 / n_kv_head));
+    the layer on k, v repeated per query head, its dk, dv summed over the heads that share one."""
+    group = 4 // n_kv_head
+    q, dout = randn(0, 2, 4, 19, 8), randn(1, 2, 4, 19, 8)
+    k, v = randn(2, 2, n_kv_head, 19, 8), randn(3, 2, n_kv_head, 19, 8)
+    out, cache = flash_attention.flash_attention_forward(
+        *(x.float().to(DEVICE) for x in (q, k, v)), causal=True, block_q=16, block_k=16)
+    grads = flash_attention.flash_attention_backward(dout.float().to(DEVICE), cache)
+    repeated = [x.repeat_interleave(group, dim=1) for x in (k, v)]  # (2, 4, 19, 8)
+    want, want_cache = ref_flash.flash_attention_forward(q, *repeated, causal=True)
+    dq, dk, dv = ref_flash.flash_attention_backward(dout, want_cache)
+    shared = [d.view(2, n_kv_head, group, 19, 8).sum(2) for d in (dk, dv)]  # (2, NKV, 19, 8)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, dq, *shared)):
+        assert g.shape == w.shape, name
+        assert_close(g, w, torch.float32, name)
+
+
 def test_flash_attention_gradients_match_finite_differences():
     """<dq, d1> + <dk, d2> + <dv, d3> against central differences through the float64 layer."""
     BH, T, hs = 1, 19, 4
@@ -158,8 +177,10 @@ def test_causal_tiles_above_the_diagonal_are_never_read():
 
 def test_flash_attention_refuses_what_it_does_not_cover():
     q = torch.zeros(2, 3, 4, 8, device=DEVICE)
-    with pytest.raises(ValueError, match="equal leading dims"):
-        flash_attention.flash_attention_forward(q, q[:, :1], q[:, :1])
+    with pytest.raises(ValueError, match="leading dims"):
+        flash_attention.flash_attention_forward(q, q[:1], q[:1])  # a broadcast batch
+    with pytest.raises(ValueError, match="divide"):
+        flash_attention.flash_attention_forward(q, q[:, :2], q[:, :2])  # 2 heads do not divide 3
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         flash_attention.flash_attention_forward(q.double(), q.double(), q.double())
     with pytest.raises(ValueError, match="block_q"):
@@ -207,7 +228,8 @@ def test_layernorm_gradients_match_finite_differences():
 
 def test_layernorm_backward_adds_in_a_fixed_order():
     """Two stages, no atomics: the same inputs give bitwise the same dw and db."""
-    x, w, b, dy = randn(0, 37, 13).float(), randn(1, 13).float(), randn(2, 13).float(), randn(3, 37, 13).float()
+    x, w, b, dy = (randn(i, *shape).float() for i, shape in
+                   enumerate(((37, 13), (13,), (13,), (37, 13))))  # fmt: skip
     runs = []
     for _ in range(2):
         _, cache = layernorm.layernorm_forward(*(t.to(DEVICE) for t in (x, w, b)),
@@ -279,7 +301,8 @@ def test_adamw_matches_the_update_equations_and_writes_the_bf16_copy():
         assert_close(a, w, torch.float32, name)
     assert got[0] is state[0]  # in place
     assert_close(copy, want[0], torch.bfloat16, "copy")
-    assert float((copy.double() - got[0].double()).abs().max()) <= 2**-7 * float(want[0].abs().max())
+    largest = float(want[0].abs().max())
+    assert float((copy.double() - got[0].double()).abs().max()) <= 2**-7 * largest
 
 
 def test_adamw_refuses_bad_state():

@@ -29,7 +29,7 @@ from .launch import check_tensors
 def _adamw_kernel(theta_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, n, lr, beta1, beta2, eps,
                   weight_decay, bias1, bias2, HAS_COPY: tl.constexpr,
                   BLOCK: tl.constexpr):  # fmt: skip
-    """Program (block of BLOCK elements): theta, m, v updated in place; copy = theta in its dtype."""
+    """Program (BLOCK elements): theta, m, v updated in place; copy = theta in its dtype."""
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
     mask = at < n
     theta = tl.load(theta_ptr + at, mask=mask)  # (BLOCK,) float32
@@ -60,7 +60,8 @@ def adamw_update(theta, g, m, v, *, step: int, lr: float, betas: tuple[float, fl
             raise ValueError(f"{name} must be a contiguous tensor of theta's shape "
                              f"{tuple(theta.shape)}, got {tuple(t.shape)}")  # fmt: skip
         if name in ("theta", "m", "v") and t.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32 (the master weights and moments), got {t.dtype}")
+            raise TypeError(f"{name} must be float32 (the master weights and moments), "
+                            f"got {t.dtype}")
     if not (isinstance(step, int) and step >= 1):
         raise ValueError(f"step must be an integer >= 1 (t of the first update is 1), got {step!r}")
     beta1, beta2 = betas

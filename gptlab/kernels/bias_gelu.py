@@ -2,8 +2,8 @@
 
 The same function as ``gptlab/layers/gelu.py`` applied to h + b (its test oracle):
 
-    exact ("none"): Phi(x) = 0.5 * (1 + erf(x / sqrt(2))),          Phi'(x) = exp(-x^2/2) / sqrt(2 pi)
-    tanh (GPT-2):   Phi(x) = 0.5 * (1 + tanh(u)) = sigmoid(2u),      u = sqrt(2/pi) (x + 0.044715 x^3)
+    exact ("none"): Phi(x) = 0.5 * (1 + erf(x / sqrt(2))),    Phi'(x) = exp(-x^2/2) / sqrt(2 pi)
+    tanh (GPT-2):   Phi(x) = 0.5 * (1 + tanh(u)) = sigmoid(2u),  u = sqrt(2/pi) (x + 0.044715 x^3)
                     Phi'(x) = 2 Phi (1 - Phi) * sqrt(2/pi) (1 + 3 * 0.044715 x^2)
     y = x * Phi(x),  dx = dy * (Phi + x * Phi'(x)),  x = h + b
 
@@ -118,7 +118,8 @@ def bias_gelu_backward(dy, cache):
     dh = torch.empty_like(h)  # (N, H)
     db_part = torch.empty(grid[0] if b is not None else 1, H, dtype=torch.float32,
                           device=h.device)  # (row tiles, H)  # fmt: skip
-    _bias_gelu_backward_kernel[grid](dy.reshape(N, H).to(h.dtype).contiguous(), h,
-                                     h if b is None else b, dh, db_part, N, H, **launch)  # fmt: skip
+    dy_rows = dy.reshape(N, H).to(h.dtype).contiguous()  # (N, H)
+    _bias_gelu_backward_kernel[grid](dy_rows, h, h if b is None else b, dh, db_part, N, H,
+                                     **launch)  # fmt: skip
     db = column_sum(db_part, b.dtype) if b is not None else None  # (H,)
     return dh.view(dy.shape), db

@@ -12,7 +12,8 @@ The matrix products are torch's (cuBLAS's tensor-core matmuls); what the kernel 
 everything between them. One program per row of a chunk's logits, two passes over its V numbers
 in tiles of BLOCK_V (the design of Liger's fused linear cross-entropy and llm.c's classifier):
 
-    pass 1   the online max and sum: m_new = max(m, max(tile)),  l = exp(m - m_new) l + sum(exp(tile - m_new))
+    pass 1   the online max and sum:
+             m_new = max(m, max(tile)),  l = exp(m - m_new) l + sum(exp(tile - m_new))
     pass 2   dlogits = (exp(tile - m) / l - onehot) / N, written over the logits in place
 
 and the row's loss log(l) + m - logits[target]. So a chunk's (n, V) logits are read twice and

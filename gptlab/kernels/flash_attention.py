@@ -16,7 +16,8 @@ Backward (Algorithm 2), without atomics, in three launches:
     dq:     one program per QUERY tile, walking over the key tiles it sees
 each recomputing the weights of a tile from L, P = exp(s - L), and
 
-    dv += P^T @ dout,  dP = dout @ v^T,  dS = P * (dP - D),  dq += scale dS @ k,  dk += scale dS^T @ q
+    dv += P^T @ dout,  dP = dout @ v^T,  dS = P * (dP - D)
+    dq += scale dS @ k,  dk += scale dS^T @ q
 
 Causal: query i sees the keys j <= i + (Tk - Tq); a tile past the last query's diagonal is never
 loaded, the tiles across it are masked. Edge tiles (T not a multiple of the tile, head sizes not
@@ -54,16 +55,17 @@ def _tile_weights(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL: tl.constexpr,
 
 
 @triton.jit
-def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, Tq, Tk, HS, HV, scale,
+def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, Tq, Tk, HS, HV, GROUP, scale,
                           CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                           BLOCK_HS: tl.constexpr, BLOCK_HV: tl.constexpr, DOT: tl.constexpr,
                           PRECISION: tl.constexpr):  # fmt: skip
-    """Program (query tile, batch*head): out (bq, hv) and L (bq,) of its rows."""
+    """Program (query tile, batch*head): out (bq, hv) and L (bq,) of its rows. Query head bh
+    reads key/value head bh // GROUP."""
     r0 = tl.program_id(0) * BLOCK_Q
     bh = tl.program_id(1).to(tl.int64)
     q_ptr += bh * Tq * HS
-    k_ptr += bh * Tk * HS
-    v_ptr += bh * Tk * HV
+    k_ptr += (bh // GROUP) * Tk * HS
+    v_ptr += (bh // GROUP) * Tk * HV
     rows = r0 + tl.arange(0, BLOCK_Q)  # (bq,)
     ds, dv = tl.arange(0, BLOCK_HS), tl.arange(0, BLOCK_HV)  # (BHS,), (BHV,)
     q = tl.load(q_ptr + rows[:, None] * HS + ds[None, :],
@@ -87,7 +89,7 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, Tq, Tk, HS, HV,
         l = rescale * l + tl.sum(p, 1)
         v = tl.load(v_ptr + cols[:, None] * HV + dv[None, :],
                     mask=(cols[:, None] < Tk) & (dv[None, :] < HV), other=0.0).to(DOT)  # (bk, BHV)
-        p = p.to(v_ptr.dtype.element_ty).to(DOT)  # P in the inputs' dtype, as the tensor cores take it
+        p = p.to(v_ptr.dtype.element_ty).to(DOT)  # P in the inputs' dtype, for the tensor cores
         acc = rescale[:, None] * acc + tl.dot(p, v, input_precision=PRECISION)  # (bq, BHV)
         m = m_new
     out = acc / l[:, None]  # (bq, BHV)
@@ -112,22 +114,18 @@ def _flash_backward_D_kernel(dout_ptr, out_ptr, D_ptr, N, HV, BLOCK_Q: tl.conste
 
 @triton.jit
 def _flash_backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, D_ptr, dk_ptr, dv_ptr,
-                                Tq, Tk, HS, HV, scale, CAUSAL: tl.constexpr,
+                                Tq, Tk, HS, HV, GROUP, scale, CAUSAL: tl.constexpr,
                                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_HS: tl.constexpr, BLOCK_HV: tl.constexpr,
                                 DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """Program (key tile, batch*head): dk (bk, hs) and dv (bk, hv) of its keys, summed over the
-    query tiles that see them."""
+    """Program (key tile, batch*key/value head): dk (bk, hs) and dv (bk, hv) of its keys, summed
+    over the query tiles that see them, of each of the GROUP query heads that read them."""
     c0 = tl.program_id(0) * BLOCK_K
-    bh = tl.program_id(1).to(tl.int64)
-    q_ptr += bh * Tq * HS
-    dout_ptr += bh * Tq * HV
-    lse_ptr += bh * Tq
-    D_ptr += bh * Tq
+    kvh = tl.program_id(1).to(tl.int64)
     cols = c0 + tl.arange(0, BLOCK_K)  # (bk,)
     ds, dvs = tl.arange(0, BLOCK_HS), tl.arange(0, BLOCK_HV)
-    k_at = bh * Tk * HS + cols[:, None] * HS + ds[None, :]  # (bk, BHS)
-    v_at = bh * Tk * HV + cols[:, None] * HV + dvs[None, :]  # (bk, BHV)
+    k_at = kvh * Tk * HS + cols[:, None] * HS + ds[None, :]  # (bk, BHS)
+    v_at = kvh * Tk * HV + cols[:, None] * HV + dvs[None, :]  # (bk, BHV)
     k_mask = (cols[:, None] < Tk) & (ds[None, :] < HS)
     v_mask = (cols[:, None] < Tk) & (dvs[None, :] < HV)
     k = tl.load(k_ptr + k_at, mask=k_mask, other=0.0).to(DOT)  # (bk, BHS)
@@ -136,39 +134,41 @@ def _flash_backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, D_ptr, d
     dv = tl.zeros((BLOCK_K, BLOCK_HV), tl.float32)  # (bk, BHV)
     # causal: the first query that sees key c0 is c0 - (Tk - Tq); start at its tile
     start = (tl.maximum(c0 - (Tk - Tq), 0) // BLOCK_Q) * BLOCK_Q if CAUSAL else 0
-    for r0 in range(start, Tq, BLOCK_Q):
-        rows = r0 + tl.arange(0, BLOCK_Q)  # (bq,)
-        q = tl.load(q_ptr + rows[:, None] * HS + ds[None, :],
-                    mask=(rows[:, None] < Tq) & (ds[None, :] < HS), other=0.0).to(DOT)  # (bq, BHS)
-        dout = tl.load(dout_ptr + rows[:, None] * HV + dvs[None, :],
-                       mask=(rows[:, None] < Tq) & (dvs[None, :] < HV), other=0.0).to(DOT)
-        lse = tl.load(lse_ptr + rows, mask=rows < Tq, other=0.0)  # (bq,)
-        D = tl.load(D_ptr + rows, mask=rows < Tq, other=0.0)  # (bq,)
-        # p = exp(scores - m_new) over all tiles, normalized by l: P = exp(s - L)
-        p = _tile_weights(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PRECISION)  # (bq, bk)
-        # acc = rescale * acc + p @ v, i.e. out = P @ v
-        dv += tl.dot(tl.trans(p.to(q_ptr.dtype.element_ty).to(DOT)), dout,
-                     input_precision=PRECISION)  # (bk, BHV)
-        dp = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # (bq, bk)
-        # P = softmax(s): dS = P * (dP - D)
-        dscores = (p * (dp - D[:, None])).to(q_ptr.dtype.element_ty).to(DOT)  # (bq, bk)
-        # s = q @ k^T * scale
-        dk += tl.dot(tl.trans(dscores), q, input_precision=PRECISION)  # (bk, BHS)
+    for g in range(GROUP):  # the query heads that read this key/value head
+        bh = kvh * GROUP + g
+        for r0 in range(start, Tq, BLOCK_Q):
+            rows = r0 + tl.arange(0, BLOCK_Q)  # (bq,)
+            q = tl.load(q_ptr + bh * Tq * HS + rows[:, None] * HS + ds[None, :],
+                        mask=(rows[:, None] < Tq) & (ds[None, :] < HS), other=0.0).to(DOT)
+            dout = tl.load(dout_ptr + bh * Tq * HV + rows[:, None] * HV + dvs[None, :],
+                           mask=(rows[:, None] < Tq) & (dvs[None, :] < HV), other=0.0).to(DOT)
+            lse = tl.load(lse_ptr + bh * Tq + rows, mask=rows < Tq, other=0.0)  # (bq,)
+            D = tl.load(D_ptr + bh * Tq + rows, mask=rows < Tq, other=0.0)  # (bq,)
+            # p = exp(scores - m_new) over all tiles, normalized by l: P = exp(s - L)
+            p = _tile_weights(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PRECISION)
+            # acc = rescale * acc + p @ v, i.e. out = P @ v
+            dv += tl.dot(tl.trans(p.to(q_ptr.dtype.element_ty).to(DOT)), dout,
+                         input_precision=PRECISION)  # (bk, BHV)
+            dp = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # (bq, bk)
+            # P = softmax(s): dS = P * (dP - D)
+            dscores = (p * (dp - D[:, None])).to(q_ptr.dtype.element_ty).to(DOT)  # (bq, bk)
+            # s = q @ k^T * scale
+            dk += tl.dot(tl.trans(dscores), q, input_precision=PRECISION)  # (bk, BHS)
     tl.store(dk_ptr + k_at, dk * scale, mask=k_mask)
     tl.store(dv_ptr + v_at, dv, mask=v_mask)
 
 
 @triton.jit
 def _flash_backward_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, D_ptr, dq_ptr,
-                              Tq, Tk, HS, HV, scale, CAUSAL: tl.constexpr,
+                              Tq, Tk, HS, HV, GROUP, scale, CAUSAL: tl.constexpr,
                               BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                               BLOCK_HS: tl.constexpr, BLOCK_HV: tl.constexpr,
                               DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """Program (query tile, batch*head): dq (bq, hs), summed over the key tiles it sees."""
     r0 = tl.program_id(0) * BLOCK_Q
     bh = tl.program_id(1).to(tl.int64)
-    k_ptr += bh * Tk * HS
-    v_ptr += bh * Tk * HV
+    k_ptr += (bh // GROUP) * Tk * HS
+    v_ptr += (bh // GROUP) * Tk * HV
     rows = r0 + tl.arange(0, BLOCK_Q)  # (bq,)
     ds, dvs = tl.arange(0, BLOCK_HS), tl.arange(0, BLOCK_HV)
     q_at = bh * Tq * HS + rows[:, None] * HS + ds[None, :]  # (bq, BHS)
@@ -205,26 +205,41 @@ class _Launch:
     block_k: int
     num_warps: int
     num_stages: int
+    group: int  # query heads per key/value head
+
+
+def _heads_group(q, k, v) -> int:
+    """NH / NKV, the query heads that share a key/value head (1: none shared). ValueError
+    unless k, v have q's leading dims, or fewer heads (dim -3) that divide q's."""
+    lead_q, lead_k = tuple(q.shape[:-2]), tuple(k.shape[:-2])
+    gqa = (len(lead_q) >= 1 and len(lead_k) == len(lead_q) and lead_k[:-1] == lead_q[:-1]
+           and lead_k[-1] >= 1 and lead_q[-1] % lead_k[-1] == 0)  # fmt: skip
+    if tuple(v.shape[:-2]) != lead_k or not (lead_k == lead_q or gqa):
+        raise ValueError(f"the Triton kernel needs k, v with q's leading dims, or fewer heads "
+                         f"(dim -3) that divide q's, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")  # fmt: skip
+    return lead_q[-1] // lead_k[-1] if lead_q else 1
 
 
 def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
                             block_q: int | None = None, block_k: int = 64,
                             num_warps: int | None = None, num_stages: int = 2):  # fmt: skip
     """q (..., Tq, hs), k (..., Tk, hs), v (..., Tk, hv) -> (out (..., Tq, hv), cache), as the
-    layer; the leading dims of q, k, v must be equal (no broadcast) and hs, hv at most 128. The
-    cache is (q, k, v, out, lse (..., Tq, 1) float32, settings). ``block_q`` None: 128, or 64 for
-    float32 heads over 64 (the backward's tiles of float32 then fill the 227 KB of shared memory
-    an H100 block may have)."""
-    _check_inputs(q, k, v, None, causal)
+    layer, with hs, hv at most 128. The leading dims of k and v equal q's (no broadcast), except
+    that k and v may have fewer heads (dim -3, GQA): NKV dividing NH, query head h reads
+    key/value head h // (NH / NKV), as LLaMA's repeat_interleave. The cache is (q, k, v, out,
+    lse (..., Tq, 1) float32, settings). ``block_q`` None: 128, or 64 for float32 heads over 64
+    (the backward's float32 tiles then fill the 227 KB of shared memory an H100 block may have).
+    """
+    group = _heads_group(q, k, v)
+    # the layer's checks, on q's first NKV heads (the layer itself has no GQA)
+    _check_inputs(q if group == 1 else q[..., : k.shape[-3], :, :], k, v, None, causal)
     check_tensors(q=q, k=k, v=v)
     (Tq, hs), (Tk, hv) = q.shape[-2:], v.shape[-2:]
     if block_q is None:
         block_q = 64 if q.dtype == torch.float32 and max(hs, hv) > 64 else 128
     _check_block("block_q", block_q)
     _check_block("block_k", block_k)
-    if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
-        raise ValueError(f"the Triton kernel needs q, k, v with equal leading dims, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
     if Tq == 0 or max(hs, hv) > 128:
         raise ValueError(f"the Triton kernel needs Tq >= 1 and head sizes up to 128, got "
                          f"Tq={Tq}, hs={hs}, hv={hv}")  # fmt: skip
@@ -232,13 +247,13 @@ def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | Non
         raise ValueError(f"causal=True with Tq={Tq} > Tk={Tk} leaves queries without a key")
     scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
     warps = num_warps or (4 if max(hs, hv) <= 64 else 8)
-    settings = _Launch(causal, scale, block_q, block_k, warps, num_stages)
+    settings = _Launch(causal, scale, block_q, block_k, warps, num_stages, group)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     BH = math.prod(q.shape[:-2])
-    out = torch.empty(v.shape[:-2] + (Tq, hv), dtype=q.dtype, device=q.device)  # (..., Tq, hv)
+    out = torch.empty(q.shape[:-1] + (hv,), dtype=q.dtype, device=q.device)  # (..., Tq, hv)
     lse = torch.empty(q.shape[:-1] + (1,), dtype=torch.float32, device=q.device)  # (..., Tq, 1)
     _flash_forward_kernel[(triton.cdiv(Tq, block_q), BH)](
-        q, k, v, out, lse, Tq, Tk, hs, hv, scale, **_constants(settings, q.dtype, hs, hv))
+        q, k, v, out, lse, Tq, Tk, hs, hv, group, scale, **_constants(settings, q.dtype, hs, hv))
     return out, (q, k, v, out, lse, settings)
 
 
@@ -255,10 +270,11 @@ def flash_attention_backward(dout, cache):
         dout, out, D, BH * Tq, hv, BLOCK_Q=rows, BLOCK_HV=pow2(hv))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     constants = _constants(settings, q.dtype, hs, hv)
-    _flash_backward_dkdv_kernel[(triton.cdiv(Tk, settings.block_k), BH)](
-        q, k, v, dout, lse, D, dk, dv, Tq, Tk, hs, hv, settings.scale, **constants)
+    group = settings.group
+    _flash_backward_dkdv_kernel[(triton.cdiv(Tk, settings.block_k), BH // group)](
+        q, k, v, dout, lse, D, dk, dv, Tq, Tk, hs, hv, group, settings.scale, **constants)
     _flash_backward_dq_kernel[(triton.cdiv(Tq, settings.block_q), BH)](
-        q, k, v, dout, lse, D, dq, Tq, Tk, hs, hv, settings.scale, **constants)
+        q, k, v, dout, lse, D, dq, Tq, Tk, hs, hv, group, settings.scale, **constants)
     return dq, dk, dv
 
 

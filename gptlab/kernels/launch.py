@@ -40,7 +40,8 @@ def check_tensors(**tensors) -> None:
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor) or t.dtype not in DTYPES:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"{name} must be a float32, bfloat16 or float16 torch tensor, got {got}")
+            raise TypeError(f"{name} must be a float32, bfloat16 or float16 torch tensor, "
+                            f"got {got}")
         if t.device.type != "cuda" and not interpreting():
             raise ValueError(f"{name} is on {t.device}: the Triton kernels run on CUDA tensors "
                              "(CPU tensors only under TRITON_INTERPRET=1)")  # fmt: skip
@@ -52,7 +53,8 @@ def dot_dtype(dtype: torch.dtype):
     tiles are rounded to bfloat16 and multiplied in float32, the same numbers."""
     if dtype == torch.bfloat16 and interpreting():
         return tl.float32
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+            torch.float16: tl.float16}[dtype]  # fmt: skip
 
 
 def input_precision() -> str:
