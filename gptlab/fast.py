@@ -17,7 +17,11 @@ written for speed instead of for reading one layer at a time:
 Switches: ``attention="flash"`` (``layers/flash_attention.py``, O(T) memory per row),
 ``classifier="chunked"`` (``layers/chunked_classifier.py``, never the whole (N, V) logits),
 ``recompute=True`` (each block keeps only its input and runs its forward again in the backward),
-``loss_scale`` (the backward starts from dloss = loss_scale: float16's loss scaling).
+``loss_scale`` (the backward starts from dloss = loss_scale: float16's loss scaling),
+``kernels="triton"`` (``gptlab/kernels/``: LayerNorm, bias + GELU, flash attention and the
+classifier as Triton kernels, whatever ``attention`` and ``classifier`` say; the matmuls stay
+torch's). ``kernels="auto"``, the default, takes Triton on CUDA tensors when Triton imports and
+the torch ops elsewhere.
 
 Covered: GPT-2's models (pre-LN, LayerNorm, GELU MLP tanh or erf, learned positions, tied head,
 with or without biases, no dropout). Other configs (LLaMA's parts, experts, post-LN, dropout,
@@ -32,6 +36,7 @@ Book: chapter 14.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,6 +50,7 @@ from .model import _check_idx, block_params, check_params
 ATTENTIONS = ("sdpa", "flash")
 CLASSIFIERS = ("full", "chunked")
 PRECISIONS = ("float32", "bfloat16", "float16")
+KERNELS = ("auto", "torch", "triton")
 _GELU_CUBIC = 0.044715
 
 
@@ -62,6 +68,38 @@ def check_fast_config(cfg: GPTConfig) -> None:
 def new_grad_buffers(params: dict) -> dict:
     """Zeroed gradient buffers, one per parameter (same shape, dtype, device)."""
     return {name: torch.zeros_like(p) for name, p in params.items()}
+
+
+def triton_refusal(device, dtype=torch.float32) -> str | None:
+    """Why kernels="triton" cannot run on ``dtype`` tensors (a torch dtype or its name) on
+    ``device``, or None when it can."""
+    from .kernels.launch import DTYPES, interpreting, triton_unavailable
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+    reason = triton_unavailable()
+    if reason is None and torch.device(device or "cpu").type != "cuda" and not interpreting():
+        reason = (f"the tensors are on {device or 'cpu'}; the kernels run on CUDA tensors (on the "
+                  "CPU only under Triton's interpreter, TRITON_INTERPRET=1)")
+    if reason is None and dtype not in DTYPES:
+        reason = f"the kernels compute in float32, bfloat16 or float16, not {dtype}"
+    return reason
+
+
+def resolve_kernels(kernels: str, device, dtype=torch.float32) -> str:
+    """The kernels a step on ``dtype`` tensors on ``device`` runs: "torch" or "triton" as asked,
+    checked, or for "auto" "triton" on CUDA when Triton imports (and the dtype is not float64)
+    and "torch" elsewhere. ValueError naming the option when "triton" cannot run there."""
+    if kernels == "auto":
+        on_cuda = torch.device(device or "cpu").type == "cuda"
+        return "triton" if on_cuda and triton_refusal(device, dtype) is None else "torch"
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    reason = triton_refusal(device, dtype) if kernels == "triton" else None
+    if reason is not None:
+        raise ValueError(f"kernels='triton' (--kernels triton) cannot run here: {reason}; use "
+                         "kernels='torch' (--kernels torch)")
+    return kernels
 
 
 def _check_call(params, idx, targets, cfg, buffers, attention, classifier) -> None:
@@ -156,14 +194,32 @@ def _gelu_back_(dg, h, phi, g, approximate):
     return dg.mul_(slope.mul_(h).add_(phi))  # (N, H) dy * (Phi + h * Phi')
 
 
-def _attention_core(qkv, B, T, n_head, attention):
-    """qkv (N, 3C) -> (heads (N, C), cache): causal multi-head attention."""
+def _mlp_up(h2, w, b, approximate):
+    """g = gelu(h2 @ w + b) (N, 4C) and its cache."""
+    hpre = _linear(h2, w, b)  # (N, 4C)
+    phi = _gelu_phi(hpre, approximate)  # (N, 4C)
+    g = hpre * phi  # (N, 4C) gelu(hpre)
+    return g, (hpre, phi, g)
+
+
+def _mlp_up_back(dg, cache, h2, w, dw, db, approximate):
+    """dg (N, 4C) -> dh2 (N, C); dw, db written into the buffers."""
+    hpre, phi, g = cache
+    # g = hpre * Phi(hpre)
+    dhpre = _gelu_back_(dg, hpre, phi, g, approximate)  # (N, 4C)
+    # hpre = h2 @ w_fc + b_fc
+    return _linear_back(dhpre, h2, w, dw, db)  # (N, C)
+
+
+def _attention_core(qkv, B, T, n_head, attention, flash=flash_attention_forward):
+    """qkv (N, 3C) -> (heads (N, C), cache): causal multi-head attention. ``flash``: the flash
+    attention that attention="flash" calls (the layer, or its Triton twin)."""
     C = qkv.shape[1] // 3
     hs = C // n_head
     # one copy into the heads' layout, which every matmul here and in the backward reads in place
     q, k, v = qkv.view(B, T, 3, n_head, hs).permute(2, 0, 3, 1, 4).contiguous()  # (B, NH, T, hs)
     if attention == "flash":
-        out, cache = flash_attention_forward(q, k, v, causal=True)  # (B, NH, T, hs)
+        out, cache = flash(q, k, v, causal=True)  # (B, NH, T, hs)
     else:
         # scores = q @ k^T / sqrt(hs) + mask (-inf where j > i), in one baddbmm
         mask = torch.full((T, T), -math.inf, dtype=qkv.dtype, device=qkv.device).triu_(1)  # (T, T)
@@ -175,12 +231,13 @@ def _attention_core(qkv, B, T, n_head, attention):
     return out.transpose(1, 2).reshape(B * T, C), cache  # (N, C)
 
 
-def _attention_core_back(dheads, cache, B, T, n_head, attention):
+def _attention_core_back(dheads, cache, B, T, n_head, attention,
+                         flash_back=flash_attention_backward):  # fmt: skip
     """dheads (N, C) -> dqkv (N, 3C)."""
     C = dheads.shape[1]
     dout = dheads.view(B, T, n_head, C // n_head).transpose(1, 2).contiguous()  # (B, NH, T, hs)
     if attention == "flash":
-        dq, dk, dv = flash_attention_backward(dout, cache)  # (B, NH, T, hs) each
+        dq, dk, dv = flash_back(dout, cache)  # (B, NH, T, hs) each
     else:
         q, k, v, att = cache
         # out = att @ v
@@ -197,77 +254,144 @@ def _attention_core_back(dheads, cache, B, T, n_head, attention):
     return dqkv.view(B * T, 3 * C)  # (N, 3C)
 
 
-def _block_forward(x, p, cfg, B, T, attention):
+class _Parts:
+    """The steps that have Triton twins, as one set: torch ops (this module's functions) or
+    the kernels of gptlab/kernels/ (``_triton_parts``)."""
+
+    layernorm = staticmethod(_layernorm)
+    layernorm_back_ = staticmethod(_layernorm_back_)
+    mlp_up = staticmethod(_mlp_up)
+    mlp_up_back = staticmethod(_mlp_up_back)
+    attention_core = staticmethod(_attention_core)
+    attention_core_back = staticmethod(_attention_core_back)
+    classifier = None  # the torch path's head is written out in fast_loss_and_grads
+
+
+@functools.cache
+def _triton_parts():
+    """_Parts with the Triton kernels (imported here: Triton is needed only when asked for).
+    The kernels return new gradients; these copy dw, db into the buffers."""
+    from .kernels import bias_gelu, flash_attention, layernorm
+    from .kernels.classifier import classifier_forward
+
+    class TritonParts:
+        @staticmethod
+        def layernorm(x, w, b, eps):
+            return layernorm.layernorm_forward(x, w, b, eps=eps)  # (N, C)
+
+        @staticmethod
+        def layernorm_back_(dy, cache, dw, db):
+            dx, dw_kernel, db_kernel = layernorm.layernorm_backward(dy, cache)  # (N, C)
+            dw.copy_(dw_kernel)
+            if db is not None:
+                db.copy_(db_kernel)
+            return dx
+
+        @staticmethod
+        def mlp_up(h2, w, b, approximate):
+            return bias_gelu.bias_gelu_forward(h2 @ w, b, approximate=approximate)  # (N, 4C)
+
+        @staticmethod
+        def mlp_up_back(dg, cache, h2, w, dw, db, approximate):
+            # g = gelu(hpre + b_fc)
+            dhpre, db_kernel = bias_gelu.bias_gelu_backward(dg, cache)  # (N, 4C)
+            if db is not None:
+                db.copy_(db_kernel)
+            # hpre = h2 @ w_fc
+            torch.mm(h2.T, dhpre, out=dw)
+            return dhpre @ w.T  # (N, C)
+
+        @staticmethod
+        def attention_core(qkv, B, T, n_head, attention):  # the flash kernel, always
+            return _attention_core(qkv, B, T, n_head, "flash",
+                                   flash_attention.flash_attention_forward)  # fmt: skip
+
+        @staticmethod
+        def attention_core_back(dheads, cache, B, T, n_head, attention):
+            return _attention_core_back(dheads, cache, B, T, n_head, "flash",
+                                        flash_attention.flash_attention_backward)  # fmt: skip
+
+        classifier = staticmethod(classifier_forward)
+
+    return TritonParts
+
+
+def _parts(kernels: str):
+    return _triton_parts() if kernels == "triton" else _Parts
+
+
+def _block_forward(x, p, cfg, B, T, attention, parts=_Parts):
     """Block ``p`` (names without ``h.{l}.``) on x (N, C) -> (y (N, C), cache), pre-LN:
     x1 = x + attn(LN1(x)),  y = x1 + mlp(LN2(x1))."""
     eps = cfg.layer_norm_epsilon
-    h1, ln1 = _layernorm(x, p["ln_1.weight"], p.get("ln_1.bias"), eps)  # (N, C)
+    h1, ln1 = parts.layernorm(x, p["ln_1.weight"], p.get("ln_1.bias"), eps)  # (N, C)
     qkv = _linear(h1, p["attn.c_attn.weight"], p.get("attn.c_attn.bias"))  # (N, 3C)
-    heads, core = _attention_core(qkv, B, T, cfg.n_head, attention)  # (N, C)
+    heads, core = parts.attention_core(qkv, B, T, cfg.n_head, attention)  # (N, C)
     x1 = _linear(heads, p["attn.c_proj.weight"], p.get("attn.c_proj.bias")).add_(x)  # (N, C)
-    h2, ln2 = _layernorm(x1, p["ln_2.weight"], p.get("ln_2.bias"), eps)  # (N, C)
-    hpre = _linear(h2, p["mlp.c_fc.weight"], p.get("mlp.c_fc.bias"))  # (N, 4C)
-    phi = _gelu_phi(hpre, cfg.gelu_approximate)  # (N, 4C)
-    g = hpre * phi  # (N, 4C) gelu(hpre)
+    h2, ln2 = parts.layernorm(x1, p["ln_2.weight"], p.get("ln_2.bias"), eps)  # (N, C)
+    g, mlp = parts.mlp_up(h2, p["mlp.c_fc.weight"], p.get("mlp.c_fc.bias"),
+                          cfg.gelu_approximate)  # (N, 4C) gelu(h2 @ w_fc + b_fc)
     y = _linear(g, p["mlp.c_proj.weight"], p.get("mlp.c_proj.bias")).add_(x1)  # (N, C)
-    return y, (h1, ln1, core, heads, h2, ln2, hpre, phi, g)
+    return y, (h1, ln1, core, heads, h2, ln2, g, mlp)
 
 
-def _block_backward(dy, cache, p, grads, prefix, cfg, B, T, attention):
+def _block_backward(dy, cache, p, grads, prefix, cfg, B, T, attention, parts=_Parts):
     """dy (N, C) -> dx (N, C); the block's gradients written into grads[prefix + name]."""
-    h1, ln1, core, heads, h2, ln2, hpre, phi, g = cache
+    h1, ln1, core, heads, h2, ln2, g, mlp = cache
     d = {name: grads.get(prefix + name) for name in
          ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
           "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
           "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")}
     # y = x1 + gelu(hpre) @ w_proj + b_proj: dy reaches x1 and the MLP
     dg = _linear_back(dy, g, p["mlp.c_proj.weight"], d["mlp.c_proj.weight"], d["mlp.c_proj.bias"])
-    # g = hpre * Phi(hpre)
-    dhpre = _gelu_back_(dg, hpre, phi, g, cfg.gelu_approximate)  # (N, 4C)
-    # hpre = h2 @ w_fc + b_fc
-    dh2 = _linear_back(dhpre, h2, p["mlp.c_fc.weight"], d["mlp.c_fc.weight"], d["mlp.c_fc.bias"])
+    # g = gelu(h2 @ w_fc + b_fc)
+    dh2 = parts.mlp_up_back(dg, mlp, h2, p["mlp.c_fc.weight"], d["mlp.c_fc.weight"],
+                            d["mlp.c_fc.bias"], cfg.gelu_approximate)  # (N, C)
     # h2 = LN2(x1), and the residual: dx1 = dy + LN2's input gradient
-    dx1 = _layernorm_back_(dh2, ln2, d["ln_2.weight"], d["ln_2.bias"]).add_(dy)  # (N, C)
+    dx1 = parts.layernorm_back_(dh2, ln2, d["ln_2.weight"], d["ln_2.bias"]).add_(dy)  # (N, C)
     # x1 = x + heads @ w_proj + b_proj
     dheads = _linear_back(dx1, heads, p["attn.c_proj.weight"], d["attn.c_proj.weight"],
                           d["attn.c_proj.bias"])  # (N, C)
     # heads = attention(qkv)
-    dqkv = _attention_core_back(dheads, core, B, T, cfg.n_head, attention)  # (N, 3C)
+    dqkv = parts.attention_core_back(dheads, core, B, T, cfg.n_head, attention)  # (N, 3C)
     # qkv = h1 @ w_attn + b_attn
     dh1 = _linear_back(dqkv, h1, p["attn.c_attn.weight"], d["attn.c_attn.weight"],
                        d["attn.c_attn.bias"])  # (N, C)
     # h1 = LN1(x), and the residual: dx = dx1 + LN1's input gradient
-    return _layernorm_back_(dh1, ln1, d["ln_1.weight"], d["ln_1.bias"]).add_(dx1)  # (N, C)
+    return parts.layernorm_back_(dh1, ln1, d["ln_1.weight"], d["ln_1.bias"]).add_(dx1)  # (N, C)
 
 
 def fast_loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, buffers=None, *,
                         attention: str = "sdpa", classifier: str = "full",
-                        recompute: bool = False, loss_scale: float = 1.0):  # fmt: skip
+                        recompute: bool = False, loss_scale: float = 1.0,
+                        kernels: str = "auto"):  # fmt: skip
     """One forward and hand-written backward of a GPT-2 model on torch: (loss as a Python float,
     grads dict), as ``gptlab.model.loss_and_grads``. ``buffers`` (``new_grad_buffers``): the
     tensors the gradients are written into, returned as the grads dict (so a caller that keeps
     last step's gradients must copy them). ``loss_scale``: the gradients are those of
-    loss_scale * loss (the returned loss is not scaled)."""
+    loss_scale * loss (the returned loss is not scaled). ``kernels``: see the module docstring."""
     _check_call(params, idx, targets, cfg, buffers, attention, classifier)
+    wte = params["wte.weight"]  # (V, C)
+    parts = _parts(resolve_kernels(kernels, wte.device, wte.dtype))
     grads = new_grad_buffers(params) if buffers is None else buffers
     B, T = idx.shape
     N, C = B * T, cfg.n_embd
-    wte = params["wte.weight"]  # (V, C)
     ids, target_ids = idx.reshape(N), targets.reshape(N)  # (N,)
     # x0 = wte[idx] + wpe[0..T-1]
     x = wte[ids].view(B, T, C).add_(params["wpe.weight"][:T]).view(N, C)  # (N, C)
     blocks = []
     for layer in range(cfg.n_layer):
         p = block_params(params, layer)
-        y, cache = _block_forward(x, p, cfg, B, T, attention)  # (N, C)
+        y, cache = _block_forward(x, p, cfg, B, T, attention, parts)  # (N, C)
         blocks.append(x if recompute else cache)  # recompute keeps the block's input only
         x = y
     # xf = LN_f(x)
-    xf, ln_f = _layernorm(x, params["ln_f.weight"], params.get("ln_f.bias"),
-                          cfg.layer_norm_epsilon)  # (N, C)
+    xf, ln_f = parts.layernorm(x, params["ln_f.weight"], params.get("ln_f.bias"),
+                               cfg.layer_norm_epsilon)  # (N, C)
     dwte = grads["wte.weight"]  # (V, C), the head's share first
-    if classifier == "chunked":
-        loss, (dxf, dwte_head) = chunked_classifier_forward(xf, wte, target_ids)
+    if classifier == "chunked" or parts.classifier is not None:
+        chunked = parts.classifier or chunked_classifier_forward
+        loss, (dxf, dwte_head) = chunked(xf, wte, target_ids)
         loss = float(loss)
         dwte.copy_(dwte_head).mul_(loss_scale)
         dxf = dxf.mul_(loss_scale)  # (N, C)
@@ -278,13 +402,13 @@ def fast_loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, buffers=None
         torch.mm(logits.T, xf, out=dwte)
         dxf = logits @ wte  # (N, C)
         del logits
-    dx = _layernorm_back_(dxf, ln_f, grads["ln_f.weight"], grads.get("ln_f.bias"))  # (N, C)
+    dx = parts.layernorm_back_(dxf, ln_f, grads["ln_f.weight"], grads.get("ln_f.bias"))  # (N, C)
     for layer in reversed(range(cfg.n_layer)):
         p = block_params(params, layer)
         cache = blocks[layer]
         if recompute:  # the block's forward again, from its kept input
-            cache = _block_forward(cache, p, cfg, B, T, attention)[1]
-        dx = _block_backward(dx, cache, p, grads, f"h.{layer}.", cfg, B, T, attention)
+            cache = _block_forward(cache, p, cfg, B, T, attention, parts)[1]
+        dx = _block_backward(dx, cache, p, grads, f"h.{layer}.", cfg, B, T, attention, parts)
         blocks[layer] = None  # free the block's activations as soon as they are used
     # x0 = wte[idx] + wpe[0..T-1]
     torch.sum(dx.view(B, T, C), 0, out=grads["wpe.weight"][:T])
@@ -368,7 +492,7 @@ class FastStep:
     "float16" compute from float32 master weights (the optimizer's state stays float32 too, as
     it is built over the master weights). float16 scales the loss with ``scaler`` (a fresh
     ``LossScaler`` by default). ``options``: fast_loss_and_grads's attention, classifier,
-    recompute.
+    recompute, kernels.
 
         loss, grads = step(master_params, idx, targets)
         grads: float32, like the master weights; None when float16 overflowed (skip the update)
@@ -378,6 +502,8 @@ class FastStep:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         check_fast_config(cfg)
+        if options.get("kernels") == "triton":  # refused now, before any step
+            resolve_kernels("triton", "cuda" if torch.cuda.is_available() else "cpu")
         self.cfg, self.precision, self.options = cfg, precision, options
         self.dtype = getattr(torch, precision)
         if scaler is not None and precision != "float16":
@@ -410,4 +536,4 @@ class FastStep:
 
 
 __all__ = ["fast_loss_and_grads", "new_grad_buffers", "check_fast_config", "LossScaler",
-           "FastStep", "ATTENTIONS", "CLASSIFIERS", "PRECISIONS"]
+           "FastStep", "resolve_kernels", "ATTENTIONS", "CLASSIFIERS", "PRECISIONS", "KERNELS"]

@@ -56,7 +56,16 @@ from .checkpoint import (
 )
 from .config import GELU_ALIASES, GELU_FORMS, MLPS, NORMS, POSITIONS, GPTConfig, check_device
 from .data import EMBEDDED, get_batch, load_text, split_train_val
-from .fast import ATTENTIONS, CLASSIFIERS, PRECISIONS, FastStep, LossScaler, check_fast_config
+from .fast import (
+    ATTENTIONS,
+    CLASSIFIERS,
+    KERNELS,
+    PRECISIONS,
+    FastStep,
+    LossScaler,
+    check_fast_config,
+    resolve_kernels,
+)
 from .model import gpt_forward, init_params, loss_and_grads
 from .optim import SGD, AdamW, matrices_and_positions, matrices_only
 from .parallel import MODES, mode_class
@@ -196,6 +205,10 @@ class TrainConfig:
     precision: str = setting("float32", "compute precision of --fused: float32, or bfloat16 / "
                              "float16 (dynamic loss scaling) from float32 master weights",
                              choices=PRECISIONS)
+    kernels: str = setting("auto", "torch: the fused path in torch ops; triton: LayerNorm, bias + "
+                           "GELU, flash attention and the classifier as Triton kernels "
+                           "(gptlab/kernels); auto: triton on CUDA when Triton imports, torch "
+                           "elsewhere", choices=KERNELS)
     loss_scale_interval: int = setting(1000, "float16: good steps in a row before the loss "
                                        "scale doubles")
     # parallel training (gptlab.parallel)
@@ -315,6 +328,11 @@ class TrainConfig:
         if self.precision != "float32" and self.dtype != "float32":
             raise ValueError(f"precision={self.precision!r} keeps float32 master weights: use "
                              f"dtype='float32', not {self.dtype!r}")
+        if self.kernels == "triton":
+            if not self.runs_fused:
+                raise ValueError("kernels='triton' runs on the fused path: add fused=True "
+                                 "(--fused)")
+            resolve_kernels("triton", self.device, self.dtype)
         if self.loss_scale_interval < 1:
             raise ValueError(f"TrainConfig.loss_scale_interval must be >= 1, got "
                              f"{self.loss_scale_interval!r}")
@@ -367,7 +385,8 @@ def _loss_functions(cfg: TrainConfig, model_cfg: GPTConfig, scaler: LossScaler |
     if cfg.backend != "autograd":
         if cfg.runs_fused:
             step = FastStep(model_cfg, cfg.precision, attention=cfg.attention,
-                            classifier=cfg.classifier, recompute=cfg.recompute, scaler=scaler)
+                            classifier=cfg.classifier, recompute=cfg.recompute, scaler=scaler,
+                            kernels=cfg.kernels)
 
             def train_loss(params, x, y, seed):  # grads None: float16 overflowed, no update
                 return step(params, x, y)

@@ -34,7 +34,7 @@ CHOICES = {"gelu": ("tanh", "erf"), "tokenizer": ("char", "bpe"), "optimizer": (
            "mlp": ("gelu", "swiglu", "moe"),
            "parallel": ("none", "ddp", "zero1", "zero2", "zero3", "tensor", "pipeline"),
            "attention": ("sdpa", "flash"), "classifier": ("full", "chunked"),
-           "precision": ("float32", "bfloat16", "float16")}
+           "precision": ("float32", "bfloat16", "float16"), "kernels": ("auto", "torch", "triton")}
 # Two configs that, between them, set every field to something other than its default (no one
 # config can: the autograd backend has no dropout, threads is torch's, not numpy's, and LLaMA's
 # SwiGLU has no biases, a mixture of experts has).
@@ -50,7 +50,7 @@ AUTOGRAD_RUN = dict(
     eval_interval=2, eval_iters=4, log_format="jsonl", out_dir="runs/x", checkpoint_interval=0,
     resume=True, backend="autograd", device="cuda:1", dtype="float64", threads=3, seed=7,
     parallel="none", nproc=1, accum_steps=1, fused=False, recompute=False, attention="sdpa",
-    classifier="full", precision="float32", loss_scale_interval=1000,
+    classifier="full", precision="float32", loss_scale_interval=1000, kernels="torch",
 )
 NUMPY_RUN = dict(AUTOGRAD_RUN, backend="numpy", device="cpu", dropout=0.1, threads=None,
                  bias=True, mlp="moe", n_expert=4, expert_top_k=1, capacity_factor=1.5,

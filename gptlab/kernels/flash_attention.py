@@ -1,0 +1,286 @@
+"""Flash attention as Triton kernels: one program per tile of queries, never the (Tq, Tk) weights.
+
+The same function as ``gptlab/layers/flash_attention.py`` (its test oracle), with the same
+online softmax (FlashAttention-2, Dao 2023, Algorithm 1). One program takes BLOCK_Q query rows of
+one (batch, head) and walks over the key tiles, keeping per row the running max m, the running
+sum l and the unnormalized output acc in registers (float32):
+
+    m_new = max(m, rowmax(s)),  l = exp(m - m_new) l + rowsum(exp(s - m_new))
+    acc = exp(m - m_new) acc + exp(s - m_new) @ v
+
+It stores only out = acc / l and the row's log-sum-exp L = m + log(l).
+
+Backward (Algorithm 2), without atomics, in three launches:
+    D = rowsum(dout * out)                 one program per query tile
+    dk, dv: one program per KEY tile, walking over the query tiles that see it
+    dq:     one program per QUERY tile, walking over the key tiles it sees
+each recomputing the weights of a tile from L, P = exp(s - L), and
+
+    dv += P^T @ dout,  dP = dout @ v^T,  dS = P * (dP - D)
+    dq += scale dS @ k,  dk += scale dS^T @ q
+
+Causal: query i sees the keys j <= i + (Tk - Tq); a tile past the last query's diagonal is never
+loaded, the tiles across it are masked. Edge tiles (T not a multiple of the tile, head sizes not
+a power of two) are masked on load. Tile sizes: 128 queries x 64 keys (FlashAttention-2's choice
+for head sizes 64 and 128; 64 x 64 for float32 heads over 64), 4 warps for hs <= 64, 8 above.
+Under the interpreter (NumPy has no bfloat16) bfloat16 tiles are multiplied in float32 after
+rounding to bfloat16: the same products as the tensor cores'.
+
+Book: chapter 23, "Flash attention as kernels".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layers.flash_attention import _check_block
+from ..layers.sdpa import _check_inputs
+from .launch import check_tensors, dot_dtype, input_precision, pow2
+
+
+@triton.jit
+def _tile_weights(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL: tl.constexpr,
+                  PRECISION: tl.constexpr):  # fmt: skip
+    """P = exp(q @ k^T * scale - L) (BLOCK_Q, BLOCK_K), 0 where a key is hidden or off the edge."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (bq, bk)
+    visible = (rows[:, None] < Tq) & (cols[None, :] < Tk)  # (bq, bk)
+    if CAUSAL:
+        visible &= cols[None, :] <= rows[:, None] + (Tk - Tq)
+    return tl.where(visible, tl.exp(s - lse[:, None]), 0.0)  # (bq, bk)
+
+
+@triton.jit
+def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, Tq, Tk, HS, HV, GROUP, scale,
+                          CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                          BLOCK_HS: tl.constexpr, BLOCK_HV: tl.constexpr, DOT: tl.constexpr,
+                          PRECISION: tl.constexpr):  # fmt: skip
+    """Program (query tile, batch*head): out (bq, hv) and L (bq,) of its rows. Query head bh
+    reads key/value head bh // GROUP."""
+    r0 = tl.program_id(0) * BLOCK_Q
+    bh = tl.program_id(1).to(tl.int64)
+    q_ptr += bh * Tq * HS
+    k_ptr += (bh // GROUP) * Tk * HS
+    v_ptr += (bh // GROUP) * Tk * HV
+    rows = r0 + tl.arange(0, BLOCK_Q)  # (bq,)
+    ds, dv = tl.arange(0, BLOCK_HS), tl.arange(0, BLOCK_HV)  # (BHS,), (BHV,)
+    q = tl.load(q_ptr + rows[:, None] * HS + ds[None, :],
+                mask=(rows[:, None] < Tq) & (ds[None, :] < HS), other=0.0).to(DOT)  # (bq, BHS)
+    m = tl.full((BLOCK_Q,), -float("inf"), tl.float32)  # (bq,) running max
+    l = tl.zeros((BLOCK_Q,), tl.float32)  # (bq,) running sum of exp(s - m)
+    acc = tl.zeros((BLOCK_Q, BLOCK_HV), tl.float32)  # (bq, BHV) unnormalized output
+    end = tl.minimum(Tk, r0 + BLOCK_Q + Tk - Tq) if CAUSAL else Tk  # the last key any row sees + 1
+    for c0 in range(0, end, BLOCK_K):
+        cols = c0 + tl.arange(0, BLOCK_K)  # (bk,)
+        k = tl.load(k_ptr + cols[:, None] * HS + ds[None, :],
+                    mask=(cols[:, None] < Tk) & (ds[None, :] < HS), other=0.0).to(DOT)  # (bk, BHS)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (bq, bk)
+        visible = cols[None, :] < Tk  # (1, bk)
+        if CAUSAL:
+            visible &= cols[None, :] <= rows[:, None] + (Tk - Tq)  # (bq, bk)
+        s = tl.where(visible, s, -float("inf"))  # (bq, bk)
+        m_new = tl.maximum(m, tl.max(s, 1))  # (bq,)
+        p = tl.exp(s - m_new[:, None])  # (bq, bk), hidden keys 0
+        rescale = tl.exp(m - m_new)  # (bq,), 0 on the first tile (m = -inf)
+        l = rescale * l + tl.sum(p, 1)
+        v = tl.load(v_ptr + cols[:, None] * HV + dv[None, :],
+                    mask=(cols[:, None] < Tk) & (dv[None, :] < HV), other=0.0).to(DOT)  # (bk, BHV)
+        p = p.to(v_ptr.dtype.element_ty).to(DOT)  # P in the inputs' dtype, for the tensor cores
+        acc = rescale[:, None] * acc + tl.dot(p, v, input_precision=PRECISION)  # (bq, BHV)
+        m = m_new
+    out = acc / l[:, None]  # (bq, BHV)
+    tl.store(out_ptr + bh * Tq * HV + rows[:, None] * HV + dv[None, :], out,
+             mask=(rows[:, None] < Tq) & (dv[None, :] < HV))
+    tl.store(lse_ptr + bh * Tq + rows, m + tl.log(l), mask=rows < Tq)  # L = m + log(l)
+
+
+@triton.jit
+def _flash_backward_D_kernel(dout_ptr, out_ptr, D_ptr, N, HV, BLOCK_Q: tl.constexpr,
+                             BLOCK_HV: tl.constexpr):  # fmt: skip
+    """D = rowsum(dout * out) (bq,) of BLOCK_Q of the N = B*NH*Tq rows: the softmax Jacobian's
+    row sum, sum_j P_ij dP_ij."""
+    rows = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (bq,)
+    dv = tl.arange(0, BLOCK_HV)
+    at = rows[:, None].to(tl.int64) * HV + dv[None, :]  # (bq, BHV)
+    mask = (rows[:, None] < N) & (dv[None, :] < HV)
+    dout = tl.load(dout_ptr + at, mask=mask, other=0.0).to(tl.float32)  # (bq, BHV)
+    out = tl.load(out_ptr + at, mask=mask, other=0.0).to(tl.float32)  # (bq, BHV)
+    tl.store(D_ptr + rows, tl.sum(dout * out, 1), mask=rows < N)
+
+
+@triton.jit
+def _flash_backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, D_ptr, dk_ptr, dv_ptr,
+                                Tq, Tk, HS, HV, GROUP, scale, CAUSAL: tl.constexpr,
+                                BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                                BLOCK_HS: tl.constexpr, BLOCK_HV: tl.constexpr,
+                                DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Program (key tile, batch*key/value head): dk (bk, hs) and dv (bk, hv) of its keys, summed
+    over the query tiles that see them, of each of the GROUP query heads that read them."""
+    c0 = tl.program_id(0) * BLOCK_K
+    kvh = tl.program_id(1).to(tl.int64)
+    cols = c0 + tl.arange(0, BLOCK_K)  # (bk,)
+    ds, dvs = tl.arange(0, BLOCK_HS), tl.arange(0, BLOCK_HV)
+    k_at = kvh * Tk * HS + cols[:, None] * HS + ds[None, :]  # (bk, BHS)
+    v_at = kvh * Tk * HV + cols[:, None] * HV + dvs[None, :]  # (bk, BHV)
+    k_mask = (cols[:, None] < Tk) & (ds[None, :] < HS)
+    v_mask = (cols[:, None] < Tk) & (dvs[None, :] < HV)
+    k = tl.load(k_ptr + k_at, mask=k_mask, other=0.0).to(DOT)  # (bk, BHS)
+    v = tl.load(v_ptr + v_at, mask=v_mask, other=0.0).to(DOT)  # (bk, BHV)
+    dk = tl.zeros((BLOCK_K, BLOCK_HS), tl.float32)  # (bk, BHS)
+    dv = tl.zeros((BLOCK_K, BLOCK_HV), tl.float32)  # (bk, BHV)
+    # causal: the first query that sees key c0 is c0 - (Tk - Tq); start at its tile
+    start = (tl.maximum(c0 - (Tk - Tq), 0) // BLOCK_Q) * BLOCK_Q if CAUSAL else 0
+    for g in range(GROUP):  # the query heads that read this key/value head
+        bh = kvh * GROUP + g
+        for r0 in range(start, Tq, BLOCK_Q):
+            rows = r0 + tl.arange(0, BLOCK_Q)  # (bq,)
+            q = tl.load(q_ptr + bh * Tq * HS + rows[:, None] * HS + ds[None, :],
+                        mask=(rows[:, None] < Tq) & (ds[None, :] < HS), other=0.0).to(DOT)
+            dout = tl.load(dout_ptr + bh * Tq * HV + rows[:, None] * HV + dvs[None, :],
+                           mask=(rows[:, None] < Tq) & (dvs[None, :] < HV), other=0.0).to(DOT)
+            lse = tl.load(lse_ptr + bh * Tq + rows, mask=rows < Tq, other=0.0)  # (bq,)
+            D = tl.load(D_ptr + bh * Tq + rows, mask=rows < Tq, other=0.0)  # (bq,)
+            # p = exp(scores - m_new) over all tiles, normalized by l: P = exp(s - L)
+            p = _tile_weights(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PRECISION)
+            # acc = rescale * acc + p @ v, i.e. out = P @ v
+            dv += tl.dot(tl.trans(p.to(q_ptr.dtype.element_ty).to(DOT)), dout,
+                         input_precision=PRECISION)  # (bk, BHV)
+            dp = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # (bq, bk)
+            # P = softmax(s): dS = P * (dP - D)
+            dscores = (p * (dp - D[:, None])).to(q_ptr.dtype.element_ty).to(DOT)  # (bq, bk)
+            # s = q @ k^T * scale
+            dk += tl.dot(tl.trans(dscores), q, input_precision=PRECISION)  # (bk, BHS)
+    tl.store(dk_ptr + k_at, dk * scale, mask=k_mask)
+    tl.store(dv_ptr + v_at, dv, mask=v_mask)
+
+
+@triton.jit
+def _flash_backward_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, D_ptr, dq_ptr,
+                              Tq, Tk, HS, HV, GROUP, scale, CAUSAL: tl.constexpr,
+                              BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                              BLOCK_HS: tl.constexpr, BLOCK_HV: tl.constexpr,
+                              DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Program (query tile, batch*head): dq (bq, hs), summed over the key tiles it sees."""
+    r0 = tl.program_id(0) * BLOCK_Q
+    bh = tl.program_id(1).to(tl.int64)
+    k_ptr += (bh // GROUP) * Tk * HS
+    v_ptr += (bh // GROUP) * Tk * HV
+    rows = r0 + tl.arange(0, BLOCK_Q)  # (bq,)
+    ds, dvs = tl.arange(0, BLOCK_HS), tl.arange(0, BLOCK_HV)
+    q_at = bh * Tq * HS + rows[:, None] * HS + ds[None, :]  # (bq, BHS)
+    q_mask = (rows[:, None] < Tq) & (ds[None, :] < HS)
+    q = tl.load(q_ptr + q_at, mask=q_mask, other=0.0).to(DOT)  # (bq, BHS)
+    dout = tl.load(dout_ptr + bh * Tq * HV + rows[:, None] * HV + dvs[None, :],
+                   mask=(rows[:, None] < Tq) & (dvs[None, :] < HV), other=0.0).to(DOT)  # (bq, BHV)
+    lse = tl.load(lse_ptr + bh * Tq + rows, mask=rows < Tq, other=0.0)  # (bq,)
+    D = tl.load(D_ptr + bh * Tq + rows, mask=rows < Tq, other=0.0)  # (bq,)
+    dq = tl.zeros((BLOCK_Q, BLOCK_HS), tl.float32)  # (bq, BHS)
+    end = tl.minimum(Tk, r0 + BLOCK_Q + Tk - Tq) if CAUSAL else Tk
+    for c0 in range(0, end, BLOCK_K):
+        cols = c0 + tl.arange(0, BLOCK_K)  # (bk,)
+        k = tl.load(k_ptr + cols[:, None] * HS + ds[None, :],
+                    mask=(cols[:, None] < Tk) & (ds[None, :] < HS), other=0.0).to(DOT)  # (bk, BHS)
+        v = tl.load(v_ptr + cols[:, None] * HV + dvs[None, :],
+                    mask=(cols[:, None] < Tk) & (dvs[None, :] < HV), other=0.0).to(DOT)  # (bk, BHV)
+        # P = exp(s - L);  dP = dout @ v^T;  dS = P * (dP - D)
+        p = _tile_weights(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PRECISION)  # (bq, bk)
+        dp = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # (bq, bk)
+        dscores = (p * (dp - D[:, None])).to(q_ptr.dtype.element_ty).to(DOT)  # (bq, bk)
+        # s = q @ k^T * scale
+        dq += tl.dot(dscores, k, input_precision=PRECISION)  # (bq, BHS)
+    tl.store(dq_ptr + q_at, dq * scale, mask=q_mask)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One call's hyperparameters and the launch settings they imply."""
+
+    causal: bool
+    scale: float
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group: int  # query heads per key/value head
+
+
+def _heads_group(q, k, v) -> int:
+    """NH / NKV, the query heads that share a key/value head (1: none shared). ValueError
+    unless k, v have q's leading dims, or fewer heads (dim -3) that divide q's."""
+    lead_q, lead_k = tuple(q.shape[:-2]), tuple(k.shape[:-2])
+    gqa = (len(lead_q) >= 1 and len(lead_k) == len(lead_q) and lead_k[:-1] == lead_q[:-1]
+           and lead_k[-1] >= 1 and lead_q[-1] % lead_k[-1] == 0)  # fmt: skip
+    if tuple(v.shape[:-2]) != lead_k or not (lead_k == lead_q or gqa):
+        raise ValueError(f"the Triton kernel needs k, v with q's leading dims, or fewer heads "
+                         f"(dim -3) that divide q's, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")  # fmt: skip
+    return lead_q[-1] // lead_k[-1] if lead_q else 1
+
+
+def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
+                            block_q: int | None = None, block_k: int = 64,
+                            num_warps: int | None = None, num_stages: int = 2):  # fmt: skip
+    """q (..., Tq, hs), k (..., Tk, hs), v (..., Tk, hv) -> (out (..., Tq, hv), cache), as the
+    layer, with hs, hv at most 128. The leading dims of k and v equal q's (no broadcast), except
+    that k and v may have fewer heads (dim -3, GQA): NKV dividing NH, query head h reads
+    key/value head h // (NH / NKV), as LLaMA's repeat_interleave. The cache is (q, k, v, out,
+    lse (..., Tq, 1) float32, settings). ``block_q`` None: 128, or 64 for float32 heads over 64
+    (the backward's float32 tiles then fill the 227 KB of shared memory an H100 block may have).
+    """
+    group = _heads_group(q, k, v)
+    # the layer's checks, on q's first NKV heads (the layer itself has no GQA)
+    _check_inputs(q if group == 1 else q[..., : k.shape[-3], :, :], k, v, None, causal)
+    check_tensors(q=q, k=k, v=v)
+    (Tq, hs), (Tk, hv) = q.shape[-2:], v.shape[-2:]
+    if block_q is None:
+        block_q = 64 if q.dtype == torch.float32 and max(hs, hv) > 64 else 128
+    _check_block("block_q", block_q)
+    _check_block("block_k", block_k)
+    if Tq == 0 or max(hs, hv) > 128:
+        raise ValueError(f"the Triton kernel needs Tq >= 1 and head sizes up to 128, got "
+                         f"Tq={Tq}, hs={hs}, hv={hv}")  # fmt: skip
+    if causal and Tq > Tk:
+        raise ValueError(f"causal=True with Tq={Tq} > Tk={Tk} leaves queries without a key")
+    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    warps = num_warps or (4 if max(hs, hv) <= 64 else 8)
+    settings = _Launch(causal, scale, block_q, block_k, warps, num_stages, group)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    BH = math.prod(q.shape[:-2])
+    out = torch.empty(q.shape[:-1] + (hv,), dtype=q.dtype, device=q.device)  # (..., Tq, hv)
+    lse = torch.empty(q.shape[:-1] + (1,), dtype=torch.float32, device=q.device)  # (..., Tq, 1)
+    _flash_forward_kernel[(triton.cdiv(Tq, block_q), BH)](
+        q, k, v, out, lse, Tq, Tk, hs, hv, group, scale, **_constants(settings, q.dtype, hs, hv))
+    return out, (q, k, v, out, lse, settings)
+
+
+def flash_attention_backward(dout, cache):
+    """dout (..., Tq, hv) -> (dq, dk, dv), each of its input's shape and dtype."""
+    q, k, v, out, lse, settings = cache
+    check_tensors(dout=dout)
+    dout = dout.to(q.dtype).contiguous()
+    (Tq, hs), (Tk, hv) = q.shape[-2:], v.shape[-2:]
+    BH = math.prod(q.shape[:-2])
+    D = torch.empty_like(lse)  # (..., Tq, 1) float32
+    rows = 64
+    _flash_backward_D_kernel[(triton.cdiv(BH * Tq, rows),)](
+        dout, out, D, BH * Tq, hv, BLOCK_Q=rows, BLOCK_HV=pow2(hv))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    constants = _constants(settings, q.dtype, hs, hv)
+    group = settings.group
+    _flash_backward_dkdv_kernel[(triton.cdiv(Tk, settings.block_k), BH // group)](
+        q, k, v, dout, lse, D, dk, dv, Tq, Tk, hs, hv, group, settings.scale, **constants)
+    _flash_backward_dq_kernel[(triton.cdiv(Tq, settings.block_q), BH)](
+        q, k, v, dout, lse, D, dq, Tq, Tk, hs, hv, group, settings.scale, **constants)
+    return dq, dk, dv
+
+
+def _constants(settings: _Launch, dtype, hs: int, hv: int) -> dict:
+    """The compile-time arguments every flash kernel takes."""
+    return dict(CAUSAL=settings.causal, BLOCK_Q=settings.block_q, BLOCK_K=settings.block_k,
+                BLOCK_HS=pow2(hs), BLOCK_HV=pow2(hv), DOT=dot_dtype(dtype),
+                PRECISION=input_precision(), num_warps=settings.num_warps,
+                num_stages=settings.num_stages)
