@@ -24,6 +24,7 @@ Book: the exercises of every chapter; docs/COURSE.md for the course.
 from __future__ import annotations
 
 import copy
+import functools
 import html
 import inspect
 import io
@@ -43,7 +44,7 @@ from .gradcheck import TOLERANCE, GradcheckEntry, _fmt, check_layer
 FLOAT32_TOLERANCE = 1e-4  # relative error of float32 gradients against the float64 ones
 
 __all__ = ["FLOAT32_TOLERANCE", "GradeReport", "GradingError", "cases", "check_backward",
-           "check_function", "guard"]
+           "check_function", "guard", "package_functions"]
 
 
 class GradingError(AssertionError):
@@ -86,13 +87,14 @@ def _autograd_entries() -> dict:
             if inspect.isfunction(fn)}
 
 
+@functools.lru_cache(maxsize=None)
 def _body(code) -> tuple:
     """What a function does, whatever it is named: its bytecode, constants (nested functions by
-    their own body) and names. The package's backward compiled again under another name (exec of
-    its source, ``code.replace(co_name=...)``) has the same body."""
+    their own body), names and local names. The package's backward compiled again under another
+    name (exec of its source, ``code.replace(co_name=...)``) has the same body."""
     consts = tuple(_body(c) if inspect.iscode(c) else c for c in code.co_consts
                    if not isinstance(c, str) or c != code.co_consts[0])  # docstring aside
-    return code.co_code, consts, code.co_names
+    return code.co_code, consts, code.co_names, code.co_varnames
 
 
 def _code(fn):
@@ -100,6 +102,13 @@ def _code(fn):
     if not inspect.isfunction(fn):
         raise TypeError(f"guard takes Python functions, got {type(fn).__name__}")
     return fn.__code__
+
+
+def _qualified(fn) -> str:
+    """``gptlab.layers.layernorm.layernorm_forward``; a function of the notebook by its name."""
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", repr(fn))
+    return f"{module}.{name}" if module and module.startswith("gptlab") else name
 
 
 class _EngineWatch:
@@ -141,7 +150,7 @@ def guard(*, allow=(), forbid=()):
     """
     forbidden = {_body(code): name for code, name in
                  {**_gptlab_backward_functions(), **_autograd_entries()}.items()}
-    forbidden.update({_body(_code(fn)): getattr(fn, "__qualname__", repr(fn)) for fn in forbid})
+    forbidden.update({_body(_code(fn)): _qualified(fn) for fn in forbid})
     allowed = {_body(_code(fn)) for fn in allow}
     calls: list[str] = []
     depth = threading.local()  # how many allowed functions are running, per thread
@@ -157,11 +166,12 @@ def guard(*, allow=(), forbid=()):
         if event not in ("call", "return"):
             return
         name = verdict(frame.f_code)
-        level = getattr(depth, "n", 0)
-        if name == "":
-            depth.n = level + (1 if event == "call" else -1)
-        elif name and event == "call" and level == 0:
+        if name is None:
+            return
+        level = getattr(depth, "n", 0)  # what an allowed or forbidden function calls: its own
+        if name and event == "call" and level == 0:
             calls.append(name)
+        depth.n = level + (1 if event == "call" else -1)
 
     previous, previous_threads = sys.getprofile(), threading.getprofile()
     sys.setprofile(profile)
@@ -169,7 +179,7 @@ def guard(*, allow=(), forbid=()):
     try:
         with _watch_engine(engine_calls := []):
             yield
-        if engine_calls and getattr(depth, "n", 0) == 0 and not calls:
+        if engine_calls and not calls:
             calls.extend(engine_calls)
         if sys.getprofile() is not profile:
             calls.append("sys.setprofile (it removed the guard)")
@@ -179,6 +189,31 @@ def guard(*, allow=(), forbid=()):
     if calls:
         names = ", ".join(dict.fromkeys(calls))
         raise GradingError(f"calls {names}: the exercise is to write it yourself")
+
+
+def package_functions(*, allow_modules=(), allow=()) -> tuple[list, list]:
+    """``(allowed, forbidden)``: the Python functions and methods of every loaded gptlab module
+    but this one and gradcheck, split into those of ``allow_modules`` or in ``allow`` and the
+    others: ``check_function(..., allow=allowed, forbid=forbidden)`` enforces a whitelist
+    ("from gptlab you may use the configuration and the data helpers")."""
+    allowed_modules = {module.__name__ for module in allow_modules}
+    allowed = {_code(fn) for fn in allow}
+    found: dict = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("gptlab.") \
+                or module_name in (__name__, gradcheck.__name__):
+            continue
+        for obj in list(vars(module).values()):
+            members = [obj] if inspect.isfunction(obj) else [
+                inspect.unwrap(getattr(m, "__func__", m)) for key, m in vars(obj).items()
+                if not key.startswith("__")] if inspect.isclass(obj) else []
+            for fn in members:
+                if inspect.isfunction(fn) and fn.__module__ == module_name:
+                    found[fn.__code__] = fn
+    split: tuple[list, list] = ([], [])
+    for code, fn in found.items():
+        split[fn.__module__ not in allowed_modules and code not in allowed].append(fn)
+    return split
 
 
 def _guarded(fn, allow, forbid, said: list):
@@ -374,6 +409,11 @@ def _backward_case(forward, backward, args, hyperparams, tol, max_elements) -> s
     for entry, (x, g) in zip(result.entries, pairs):
         if not is_array_api_obj(g) or _dtype_name(g) != _dtype_name(x):
             got = _dtype_name(g) if is_array_api_obj(g) else type(g).__name__
+            if is_array_api_obj(out) and _dtype_name(out) != _dtype_name(x):  # the cause
+                name = getattr(forward, "__name__", "the forward")
+                raise GradingError(f"{name} returns {_dtype_name(out)} for "
+                                   f"{_dtype_name(x)} inputs (so the gradient for {entry.name} "
+                                   f"is {got}): keep {_dtype_name(x)} in {_dtype_name(x)}")
             raise GradingError(f"the gradient for {entry.name} is {got}, its input {_dtype_name(x)}")
         if dtype != "float64":
             a = np.asarray(to_numpy(g), dtype=np.float64)
@@ -447,20 +487,21 @@ def _compare(got, want, rtol: float, atol: float, where: str = "output") -> None
         raise GradingError(f"{where} is {got!r:.40}, expected {want!r:.40}")
 
 
-def check_function(candidate, reference, cases, *, forbid=(), rtol: float = 1e-6,
+def check_function(candidate, reference, cases, *, allow=(), forbid=(), rtol: float = 1e-6,
                    atol: float = 1e-9, **kwargs) -> GradeReport:
     """Grade ``candidate`` against ``reference`` on every case: the same output structure,
     shapes and dtypes, values within ``rtol``/``atol`` (integers exactly).
 
     ``cases``: ``{name: tuple of positional inputs}``; each call gets its own deep copy, so a
     function that writes into its inputs cannot change what the other sees. ``kwargs`` go to
-    both. The candidate runs under :func:`guard`, with ``reference`` forbidden too.
+    both. The candidate runs under :func:`guard` (``allow``, ``forbid`` as there), with
+    ``reference`` forbidden too.
     """
     _restore()  # what an answer cell changed in NumPy, torch or this module
     results = []
     for name, args in _check_cases(cases).items():
         said: list[str] = []
-        guarded = _guarded(candidate, (), (reference, *forbid), said)
+        guarded = _guarded(candidate, allow, (reference, *forbid), said)
         want = reference(*copy.deepcopy(args), **kwargs)
         try:
             _compare(guarded(*copy.deepcopy(args), **kwargs), want, rtol, atol)

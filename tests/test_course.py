@@ -355,7 +355,7 @@ def test_correct_work_scores_full_marks(graded):
         assert _points(grades, student) == {"ex1": (4.0, 4.0), "ex2": (2.0, 2.0)}, student
     assert grades.flagged("honest") == [] and grades.flagged("chatty") == []
     assert grades.flagged("deleted", FIXTURE.stem) == [
-        "missing, put back: given cell ex1_given, grading cell ex1"]
+        "missing, put back: given cell ex1_given; grading cell ex1"]
     assert grades.flagged("stripped", FIXTURE.stem)[0].startswith(
         "missing, put back: the nbgrader metadata of ex1_given, ex1_answer, ex1")
     feedback = (graded["tmp"] / "autograded" / "chatty" / FIXTURE.name).read_text()
@@ -436,3 +436,14 @@ def test_nbgrader_rejects_broken_metadata_and_the_error_says_why(tmp_path):
     nbformat.write(nb, source / FIXTURE.name)
     with pytest.raises(course.CourseError, match="Markdown solution cell is not marked as a grade"):
         course.instructor_edition(tmp_path / "instructor", source)
+
+
+def test_the_student_book_leaves_out_answers_and_grading_cells(tmp_path):
+    shutil.copyfile(FIXTURE, tmp_path / FIXTURE.name)
+    assert course.without_answers(tmp_path) == [tmp_path / FIXTURE.name]
+    nb = nbformat.read(tmp_path / FIXTURE.name, as_version=4)
+    ids = [c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells]
+    assert [i for i in ids if i] == ["ex1_given"]
+    text = json.dumps(nb)
+    assert course.SOLUTION[0] not in text and course.HIDDEN[0] not in text
+    assert "<details>" not in text and "**3. Why no mean?**" in text

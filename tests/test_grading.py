@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptlab.grading import GradingError, cases, check_backward, check_function, guard
+from gptlab.grading import (GradingError, cases, check_backward, check_function, guard,
+                            package_functions)
 from gptlab.layers.gelu import gelu_forward
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
 from gptlab.layers.mlp import mlp_backward, mlp_forward
@@ -259,3 +260,52 @@ def test_warnings_and_stderr_are_reported_and_do_not_fail():
     assert report.passed, str(report)
     assert all("warns RuntimeWarning: float64 constant" in r.detail and "stderr: debug: dy" in
                r.detail for r in report.results), str(report)
+
+
+def test_finite_differences_of_the_given_forward_fail():
+    def by_differences(dy, cache):
+        (x,) = cache
+        x, grad = x.copy(), np.zeros_like(x)
+        for i in np.ndindex(x.shape):
+            saved = x[i]
+            x[i] = saved + 1e-6
+            up = np.sum(_square_forward(x)[0] * dy)
+            x[i] = saved - 1e-6
+            grad[i] = (up - np.sum(_square_forward(x)[0] * dy)) / 2e-6
+            x[i] = saved
+        return (grad,)
+
+    report = check_backward(_square_forward, by_differences, SQUARE_CASES)
+    assert all("calls" in r.detail and "_square_forward" in r.detail for r in report.results)
+
+
+def test_a_float64_output_for_float32_inputs_is_named_as_the_cause():
+    def float64_forward(x):
+        return (x * x).astype(np.float64), (x,)
+
+    report = check_backward(float64_forward, lambda dy, c: (2 * c[0] * dy,), SQUARE_CASES)
+    float32 = [r for r in report.results if "float32" in r.case]
+    assert float32 and all("float64_forward returns float64 for float32 inputs" in r.detail
+                           for r in float32), str(report)
+
+
+def test_package_functions_split_a_whitelist():
+    import gptlab.data
+    from gptlab.data import get_batch
+    from gptlab.model import gpt_forward, init_params
+
+    allowed, forbidden = package_functions(allow_modules=[gptlab.data], allow=[init_params])
+    assert get_batch in allowed and init_params in allowed
+    assert gpt_forward in forbidden and layernorm_forward in forbidden
+    assert not set(allowed) & set(forbidden)
+
+    def from_the_package(x):
+        return layernorm_forward(x, np.ones(x.shape[-1]), np.zeros(x.shape[-1]))[0]
+
+    def reference(x):
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+    report = check_function(from_the_package, reference, {"x": (np.ones((2, 3)),)},
+                            allow=allowed, forbid=forbidden)
+    assert "calls gptlab.layers.layernorm.layernorm_forward" in report.results[0].detail
