@@ -447,3 +447,72 @@ def test_the_student_book_leaves_out_answers_and_grading_cells(tmp_path):
     text = json.dumps(nb)
     assert course.SOLUTION[0] not in text and course.HIDDEN[0] not in text
     assert "<details>" not in text and "**3. Why no mean?**" in text
+
+
+# The capstone's loopholes (issue 24, section 2b), planted in its model answers and checked by its
+# own grading cells (the visible checks, and Part 4 up to the training), in this process.
+CAPSTONE = ROOT / "book" / "capstone.ipynb"
+CAPSTONE_PLANTS = {
+    "part 1 from gptlab.layers": ("ex1", "ex1", (
+        "    mu = x.mean(-1, keepdims=True)\n",
+        "    from gptlab.layers.layernorm import layernorm_forward\n"
+        "    return layernorm_forward(x, w, b, eps=eps)[0], None\n"),
+        "calls gptlab.layers.layernorm.layernorm_forward"),
+    "part 2 reuses the last layer's cache": ("ex2", "ex2", (
+        'c, p = cache["blocks"][layer], cache["blocks"][layer]["p"]',
+        'c, p = cache["blocks"][-1], cache["blocks"][layer]["p"]'), "2 layers (2, 3) float64"),
+    "part 2 with a float64 loss": ("ex1", "ex2", (
+        "loss = -np.log(np.take_along_axis(probs, targets[..., None], -1)).mean()",
+        "loss = -np.log(np.take_along_axis(probs, targets[..., None], -1)).mean()"
+        ".astype(np.float64)"), "loss_forward returns float64 for float32 inputs"),
+    "part 3 in place": ("ex3", "ex3", (
+        "    m = b1 * m + (1 - b1) * g\n", "    m *= b1\n    m += (1 - b1) * g\n"),
+        "adamw changed m in place"),
+    "part 4 with a broken backward": ("ex2", "ex4", (
+        "        dq, dk = ds @ c[\"k\"], ds.swapaxes(-1, -2) @ c[\"q\"]\n",
+        "        dq, dk = 0 * ds @ c[\"k\"], 0 * ds.swapaxes(-1, -2) @ c[\"q\"]\n"),
+        "Part 4 counts only when gpt_loss_backward is right"),
+}
+
+
+def _capstone_cells():
+    nb = nbformat.read(CAPSTONE, as_version=4)
+    by_id = {c.metadata.get("nbgrader", {}).get("grade_id"): c.source for c in nb.cells}
+    imports = "\n".join(line for line in nb.cells[2].source.splitlines()
+                        if not line.startswith("%"))
+    return imports, by_id
+
+
+@pytest.mark.parametrize("plant", list(CAPSTONE_PLANTS))
+def test_the_capstone_s_loopholes_are_closed(plant):
+    answer, grading, (right, wrong), message = CAPSTONE_PLANTS[plant]
+    imports, cells = _capstone_cells()
+    assert right in cells[f"{answer}_answer"], plant
+    namespace = {"display": lambda report: None}
+    exec(imports, namespace)
+    for k in range(1, 5):
+        source = cells[f"ex{k}_answer"]
+        exec(source.replace(right, wrong) if f"ex{k}" == answer else source, namespace)
+    last = int(grading[2:])
+    for k in range(1, last + 1):
+        source = cells[f"ex{k}"].split(course.HIDDEN[0])[0]
+        if k == 4:
+            source = source.split("# The data again")[0]  # the check of the backward, no training
+        if k < last:  # an earlier part: its definitions only (loss_forward, model_inputs)
+            exec(source.split("\ngrade = ")[0], namespace)
+            continue
+        with pytest.raises(AssertionError) as failure:
+            exec(source, namespace)
+        assert message in str(failure.value), str(failure.value)
+
+
+def test_the_capstone_s_model_answers_pass_the_same_checks():
+    imports, cells = _capstone_cells()
+    namespace = {"display": lambda report: None}
+    exec(imports, namespace)
+    for k in range(1, 5):
+        exec(cells[f"ex{k}_answer"], namespace)
+    for k in range(1, 5):
+        source = cells[f"ex{k}"].split(course.HIDDEN[0])[0]
+        exec(source.split("# The data again")[0] if k == 4 else source, namespace)
+    assert namespace["backward"].passed
