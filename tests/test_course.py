@@ -414,6 +414,7 @@ def test_bad_input_is_named(tmp_path):
         course.grade(tmp_path, FIXTURE.parent)
     # the command line says the same, without a traceback
     assert main(["grade", str(tmp_path), "--source", str(FIXTURE.parent)]) == 2
+    assert main(["grade", str(tmp_path), "--source", str(FIXTURE.parent), "--jobs", "0"]) == 2
 
 
 def test_only_the_chosen_chapters_are_graded(tmp_path):
