@@ -9,7 +9,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: venv book test lab notebooks student instructor vendor clean
+.PHONY: venv book book-student test lab notebooks student instructor vendor clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,15 @@ book: $(STAMP)
 	rm -rf _build
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo "Book built: open file://$(CURDIR)/_build/html/index.html"
+
+# The HTML book for credit-bearing use (docs/COURSE.md): as `make book`, without the answer cells,
+# code solutions, grading cells and written model answers; built from a copy in build/book-student.
+book-student: $(STAMP)
+	rm -rf build/book-student && mkdir -p build/book-student
+	cp -r _config.yml _toc.yml references.bib _vendor book tools benchmarks build/book-student/
+	$(VENV)/bin/python -c "from gptlab.course import without_answers; without_answers('build/book-student/book')"
+	$(VENV)/bin/jupyter-book build build/book-student -W -n --keep-going
+	@echo "Student book built: open file://$(CURDIR)/build/book-student/_build/html/index.html"
 
 # nbval re-executes every chapter and compares each output with the stored one (docs/CHAPTERS.md).
 NBVAL := $(VENV)/bin/python -m pytest -n 2 --dist loadfile --nbval --nbval-current-env \

@@ -20,6 +20,7 @@ import os
 import sys
 import typing
 from dataclasses import Field, fields
+from pathlib import Path
 
 from .course import CELL_TIMEOUT, CourseError, grade, instructor_edition, student_edition
 
@@ -214,7 +215,13 @@ def _add_course_commands(commands) -> None:
                             f"(default: {CELL_TIMEOUT})")
     grade.add_argument("--autograded", default=None, metavar="DIR",
                        help="also keep the executed submissions, with what every grading cell "
-                            "printed, in DIR/<student>/<chapter>.ipynb (default: none)")
+                            "printed and without hidden tests, in DIR/<student>/<chapter>.ipynb "
+                            "(default: none)")
+    grade.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                       help="submissions graded at once (default: the number of CPUs)")
+    grade.add_argument("--logs", default=None, metavar="DIR",
+                       help="write DIR/<student>.log: points, time, notes and flags of each "
+                            "chapter (default: the --out file's name with .logs)")
 
 
 def build_parser(train_options: bool = True) -> argparse.ArgumentParser:
@@ -352,16 +359,23 @@ def run_edition(args: argparse.Namespace) -> int:
 
 
 def run_grade(args: argparse.Namespace) -> int:
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     grades = grade(args.submissions, args.source, args.chapters, timeout=args.timeout,
-                   autograded=args.autograded)
+                   autograded=args.autograded, jobs=args.jobs, progress=True)
     grades.write_csv(args.out)
+    logs = args.logs or str(Path(args.out).with_suffix(".logs"))
+    grades.write_logs(logs)
     for student, (points, max_points) in grades.totals().items():
         print(f"{student}: {points:g} of {max_points:g} points")
     for line in grades.notes:
         print(f"note: {line}", file=sys.stderr)
+    for (student, chapter), flags in sorted(grades.flags.items()):
+        for flag in flags:
+            print(f"flag: {student}/{chapter}: {flag} (look at it)", file=sys.stderr)
     for line in grades.failed:
         print(f"not graded: {line}", file=sys.stderr)
-    print(f"grades of {len(grades.totals())} students in {args.out}")
+    print(f"grades of {len(grades.totals())} students in {args.out}, logs in {logs}/")
     return 1 if grades.failed else 0
 
 

@@ -24,22 +24,27 @@ Book: the exercises of every chapter; docs/COURSE.md for the course.
 from __future__ import annotations
 
 import copy
+import functools
 import html
 import inspect
+import io
 import sys
-from contextlib import contextmanager
+import threading
+import warnings
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 
 import numpy as np
 from array_api_compat import is_array_api_obj
 
+from . import backend, gradcheck
 from .backend import asarray_like, to_numpy
 from .gradcheck import TOLERANCE, GradcheckEntry, _fmt, check_layer
 
 FLOAT32_TOLERANCE = 1e-4  # relative error of float32 gradients against the float64 ones
 
 __all__ = ["FLOAT32_TOLERANCE", "GradeReport", "GradingError", "cases", "check_backward",
-           "check_function", "guard"]
+           "check_function", "guard", "package_functions"]
 
 
 class GradingError(AssertionError):
@@ -82,6 +87,16 @@ def _autograd_entries() -> dict:
             if inspect.isfunction(fn)}
 
 
+@functools.lru_cache(maxsize=None)
+def _body(code) -> tuple:
+    """What a function does, whatever it is named: its bytecode, constants (nested functions by
+    their own body), names and local names. The package's backward compiled again under another
+    name (exec of its source, ``code.replace(co_name=...)``) has the same body."""
+    consts = tuple(_body(c) if inspect.iscode(c) else c for c in code.co_consts
+                   if not isinstance(c, str) or c != code.co_consts[0])  # docstring aside
+    return code.co_code, consts, code.co_names, code.co_varnames
+
+
 def _code(fn):
     fn = inspect.unwrap(getattr(fn, "__func__", fn))  # a bound method: its function
     if not inspect.isfunction(fn):
@@ -89,44 +104,179 @@ def _code(fn):
     return fn.__code__
 
 
+def _qualified(fn) -> str:
+    """``gptlab.layers.layernorm.layernorm_forward``; a function of the notebook by its name."""
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", repr(fn))
+    return f"{module}.{name}" if module and module.startswith("gptlab") else name
+
+
+class _EngineWatch:
+    """Stands in for torch's autograd engine (``Variable._execution_engine``) inside the guard:
+    every backward pass and ``torch.autograd.grad``, from any thread and with any profile, goes
+    through it. Records the call, then runs the real engine."""
+
+    def __init__(self, engine, calls: list):
+        self._engine, self._calls = engine, calls
+
+    def __getattr__(self, name):
+        self._calls.append(f"the autograd engine ({name})")
+        return getattr(self._engine, name)
+
+
+@contextmanager
+def _watch_engine(calls: list):
+    variable = getattr(sys.modules.get("torch.autograd.variable"), "Variable", None)
+    engine = getattr(variable, "_execution_engine", None)
+    if engine is None:
+        yield
+        return
+    variable._execution_engine = _EngineWatch(engine, calls)
+    try:
+        yield
+    finally:
+        variable._execution_engine = engine
+
+
 @contextmanager
 def guard(*, allow=(), forbid=()):
     """Fail (GradingError) if the code inside calls autograd, a gptlab backward or ``forbid``.
 
     ``allow``: gptlab functions the exercise lets the student call (``mlp_backward`` when the
-    exercise builds on it); whatever they call in turn is allowed too.
+    exercise builds on it); whatever they call in turn is allowed too. The functions are known by
+    what they do (:func:`_body`), not by name; the guard watches every thread
+    (``threading.setprofile``) and torch's autograd engine itself, and fails the code if it
+    removes the guard's profile (``sys.setprofile(None)``).
     """
-    forbidden = {**_gptlab_backward_functions(), **_autograd_entries()}
-    forbidden.update({_code(fn): getattr(fn, "__qualname__", repr(fn)) for fn in forbid})
-    allowed = {_code(fn) for fn in allow}
+    forbidden = {_body(code): name for code, name in
+                 {**_gptlab_backward_functions(), **_autograd_entries()}.items()}
+    forbidden.update({_body(_code(fn)): _qualified(fn) for fn in forbid})
+    allowed = {_body(_code(fn)) for fn in allow}
     calls: list[str] = []
-    depth = 0  # how many allowed functions are running
+    depth = threading.local()  # how many allowed functions are running, per thread
+    known: dict = {}  # id(code) -> (code, its name if forbidden, "" if allowed, None if neither)
+
+    def verdict(code):
+        if id(code) not in known:  # the code is kept, so its id is not reused
+            body = _body(code)
+            known[id(code)] = code, "" if body in allowed else forbidden.get(body)
+        return known[id(code)][1]
 
     def profile(frame, event, arg):
-        nonlocal depth
-        code = frame.f_code
-        if code in allowed:
-            depth += {"call": 1, "return": -1}.get(event, 0)
-        elif event == "call" and depth == 0 and code in forbidden:
-            calls.append(forbidden[code])
+        if event not in ("call", "return"):
+            return
+        name = verdict(frame.f_code)
+        if name is None:
+            return
+        level = getattr(depth, "n", 0)  # what an allowed or forbidden function calls: its own
+        if name and event == "call" and level == 0:
+            calls.append(name)
+        depth.n = level + (1 if event == "call" else -1)
 
-    previous = sys.getprofile()
+    previous, previous_threads = sys.getprofile(), threading.getprofile()
     sys.setprofile(profile)
+    threading.setprofile(profile)
     try:
-        yield
+        with _watch_engine(engine_calls := []):
+            yield
+        if engine_calls and not calls:
+            calls.extend(engine_calls)
+        if sys.getprofile() is not profile:
+            calls.append("sys.setprofile (it removed the guard)")
     finally:
         sys.setprofile(previous)
+        threading.setprofile(previous_threads)
     if calls:
         names = ", ".join(dict.fromkeys(calls))
         raise GradingError(f"calls {names}: the exercise is to write it yourself")
 
 
-def _guarded(fn, allow, forbid):
+def package_functions(*, allow_modules=(), allow=()) -> tuple[list, list]:
+    """``(allowed, forbidden)``: the Python functions and methods of every loaded gptlab module
+    but this one and gradcheck, split into those of ``allow_modules`` or in ``allow`` and the
+    others: ``check_function(..., allow=allowed, forbid=forbidden)`` enforces a whitelist
+    ("from gptlab you may use the configuration and the data helpers")."""
+    allowed_modules = {module.__name__ for module in allow_modules}
+    allowed = {_code(fn) for fn in allow}
+    found: dict = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("gptlab.") \
+                or module_name in (__name__, gradcheck.__name__):
+            continue
+        for obj in list(vars(module).values()):
+            members = [obj] if inspect.isfunction(obj) else [
+                inspect.unwrap(getattr(m, "__func__", m)) for key, m in vars(obj).items()
+                if not key.startswith("__")] if inspect.isclass(obj) else []
+            for fn in members:
+                if inspect.isfunction(fn) and fn.__module__ == module_name:
+                    found[fn.__code__] = fn
+    split: tuple[list, list] = ([], [])
+    for code, fn in found.items():
+        split[fn.__module__ not in allowed_modules and code not in allowed].append(fn)
+    return split
+
+
+def _guarded(fn, allow, forbid, said: list):
+    """``fn`` under :func:`guard`, what it prints on stderr and warns recorded in ``said``,
+    and the modules the checks rely on put back if it changed them (a failure)."""
+
     def run(*args, **kwargs):
-        with guard(allow=allow, forbid=forbid):
-            return fn(*args, **kwargs)
+        stderr = io.StringIO()
+        try:
+            with warnings.catch_warnings(record=True) as warned, redirect_stderr(stderr):
+                warnings.simplefilter("always")
+                with guard(allow=allow, forbid=forbid):
+                    return fn(*args, **kwargs)
+        finally:
+            said.extend(f"warns {w.category.__name__}: {w.message}" for w in warned)
+            said.extend(f"stderr: {line}" for line in stderr.getvalue().splitlines() if line)
+            if changed := _restore():
+                raise GradingError(f"changes {', '.join(changed)} while it runs")
 
     return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Private copies: what the checks rely on, as it was when this module was imported.
+
+
+def _pristine_state() -> dict:
+    """(module or class, attribute) -> value, and function -> its code and defaults, of NumPy,
+    torch (if loaded) and gptlab's grading, gradcheck and backend modules."""
+    modules = [np, np.linalg, np.random, sys.modules[__name__], gradcheck, backend]
+    if "torch" in sys.modules:
+        modules.append(sys.modules["torch"])
+    state = {}
+    for module in modules:
+        for name, value in list(vars(module).items()):
+            if inspect.ismodule(value) or (module.__name__ == "torch" and not callable(value)):
+                continue  # submodules and torch's settings may come and go
+            state[module, name] = value
+            if not module.__name__.startswith("gptlab"):
+                continue
+            if inspect.isfunction(value) and value.__module__ == module.__name__:
+                state[value, "__code__"] = value.__code__
+                state[value, "__defaults__"] = value.__defaults__
+            elif inspect.isclass(value) and value.__module__ == module.__name__:
+                for key, attr in list(vars(value).items()):
+                    state[value, key] = attr
+    return state
+
+
+def _restore() -> list[str]:
+    """Put back every attribute of :func:`_pristine_state` that changed since import; return
+    their names (``numpy.linalg.norm``)."""
+    changed = []
+    for (owner, name), value in _PRISTINE.items():
+        now = getattr(owner, name, _MISSING) if not inspect.isclass(owner) \
+            else vars(owner).get(name, _MISSING)
+        if now is not value:
+            try:
+                setattr(owner, name, value)
+            except (AttributeError, TypeError):  # read-only (a C type's slot): unchanged
+                continue
+            changed.append(f"{getattr(owner, '__name__', owner)}.{name}")
+    return changed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +332,12 @@ class GradeReport:
                 f"<caption>{html.escape(self.title)}</caption>"
                 "<thead><tr><th>case</th><th>result</th><th>detail</th></tr></thead>"
                 f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def _with_said(detail: str, said: list[str]) -> str:
+    """A case's detail with what the student's code warned or printed on stderr (it does not
+    fail the case)."""
+    return "; ".join([detail, *dict.fromkeys(said)])
 
 
 def _failure(error: BaseException) -> str:
@@ -253,6 +409,11 @@ def _backward_case(forward, backward, args, hyperparams, tol, max_elements) -> s
     for entry, (x, g) in zip(result.entries, pairs):
         if not is_array_api_obj(g) or _dtype_name(g) != _dtype_name(x):
             got = _dtype_name(g) if is_array_api_obj(g) else type(g).__name__
+            if is_array_api_obj(out) and _dtype_name(out) != _dtype_name(x):  # the cause
+                name = getattr(forward, "__name__", "the forward")
+                raise GradingError(f"{name} returns {_dtype_name(out)} for "
+                                   f"{_dtype_name(x)} inputs (so the gradient for {entry.name} "
+                                   f"is {got}): keep {_dtype_name(x)} in {_dtype_name(x)}")
             raise GradingError(f"the gradient for {entry.name} is {got}, its input {_dtype_name(x)}")
         if dtype != "float64":
             a = np.asarray(to_numpy(g), dtype=np.float64)
@@ -275,17 +436,21 @@ def check_backward(forward, backward, cases, *, allow=(), forbid=(), tol: float 
     gradients agree with the float64 ones within ``FLOAT32_TOLERANCE``. The backward runs under
     :func:`guard` (``allow``, ``forbid`` as there). ``max_elements``: finite differences on a
     seeded random subset of each input's elements (a whole model). ``hyperparams`` go to
-    ``forward``.
+    ``forward``. The backward may not call ``forward`` (finite differences of the given forward
+    are not a written backward).
     """
-    guarded = _guarded(backward, allow, forbid)
+    if inspect.isfunction(inspect.unwrap(forward)):
+        forbid = (forward, *forbid)
+    _restore()  # what an answer cell changed in NumPy, torch or this module
     results = []
     for name, args in _check_cases(cases).items():
+        said: list[str] = []
+        guarded = _guarded(backward, allow, forbid, said)
         try:
-            results.append(CaseResult(name, True,
-                                      _backward_case(forward, guarded, args, hyperparams, tol,
-                                                                 max_elements)))
+            detail = _backward_case(forward, guarded, args, hyperparams, tol, max_elements)
+            results.append(CaseResult(name, True, _with_said(detail, said)))
         except Exception as error:  # the student's code may raise anything
-            results.append(CaseResult(name, False, _failure(error)))
+            results.append(CaseResult(name, False, _with_said(_failure(error), said)))
     title = f"{getattr(backward, '__name__', 'backward')}: checked against finite differences"
     return GradeReport(title, results)
 
@@ -322,24 +487,31 @@ def _compare(got, want, rtol: float, atol: float, where: str = "output") -> None
         raise GradingError(f"{where} is {got!r:.40}, expected {want!r:.40}")
 
 
-def check_function(candidate, reference, cases, *, forbid=(), rtol: float = 1e-6,
+def check_function(candidate, reference, cases, *, allow=(), forbid=(), rtol: float = 1e-6,
                    atol: float = 1e-9, **kwargs) -> GradeReport:
     """Grade ``candidate`` against ``reference`` on every case: the same output structure,
     shapes and dtypes, values within ``rtol``/``atol`` (integers exactly).
 
     ``cases``: ``{name: tuple of positional inputs}``; each call gets its own deep copy, so a
     function that writes into its inputs cannot change what the other sees. ``kwargs`` go to
-    both. The candidate runs under :func:`guard`, with ``reference`` forbidden too.
+    both. The candidate runs under :func:`guard` (``allow``, ``forbid`` as there), with
+    ``reference`` forbidden too.
     """
-    guarded = _guarded(candidate, (), (reference, *forbid))
+    _restore()  # what an answer cell changed in NumPy, torch or this module
     results = []
     for name, args in _check_cases(cases).items():
+        said: list[str] = []
+        guarded = _guarded(candidate, allow, (reference, *forbid), said)
         want = reference(*copy.deepcopy(args), **kwargs)
         try:
             _compare(guarded(*copy.deepcopy(args), **kwargs), want, rtol, atol)
-            results.append(CaseResult(name, True, "matches"))
+            results.append(CaseResult(name, True, _with_said("matches", said)))
         except Exception as error:  # the student's code may raise anything
-            results.append(CaseResult(name, False, _failure(error)))
+            results.append(CaseResult(name, False, _with_said(_failure(error), said)))
     title = (f"{getattr(candidate, '__name__', 'candidate')}: checked against "
              f"{getattr(reference, '__qualname__', 'the reference')}")
     return GradeReport(title, results)
+
+
+_MISSING = object()
+_PRISTINE = _pristine_state()
