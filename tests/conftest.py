@@ -16,6 +16,7 @@ this directory on ``sys.path``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import array_api_strict
@@ -32,6 +33,13 @@ array_api_strict.set_array_api_strict_flags(api_version="2025.12")
 # pytest-xdist runs one worker per core: one torch thread per worker avoids oversubscribing
 # the cores (tiny float64 ops get many times slower when threads fight over a core).
 torch.set_num_threads(1)
+
+# Without CUDA, the Triton kernels (gptlab/kernels/) run under Triton's interpreter on CPU
+# tensors. Triton reads TRITON_INTERPRET when a kernel is defined, so it is set here, before any
+# test module imports a kernel module (tests/test_kernels.py, or gptlab.fast choosing its kernels
+# in an earlier test of the same worker): set later, it would leave some kernels compiled.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 STRICT_DEVICE = array_api_strict.Device("device1")
 BACKENDS = ("numpy", "torch", "strict")

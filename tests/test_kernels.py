@@ -1,10 +1,10 @@
 """The Triton kernels (gptlab/kernels/) against their readable twins in gptlab/layers/.
 
 Without CUDA the kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set
-here before the kernels are defined, and again while this module's tests run); with CUDA they
-run compiled on the GPU. The interpreter runs every program in NumPy: the shapes and tiles are
-tiny, and chosen to hit the edges (T not a multiple of the tile, tiles across the causal
-diagonal, one query, head size 1, vocabularies not a multiple of the tile).
+by tests/conftest.py before any kernel is defined); with CUDA they run compiled on the GPU. The
+interpreter runs every program in NumPy: the shapes and tiles are tiny, and chosen to hit the
+edges (T not a multiple of the tile, tiles across the causal diagonal, one query, head size 1,
+vocabularies not a multiple of the tile).
 
 Oracles: the layer functions in float64 on the same (rounded) inputs; finite differences through
 the float64 layer for the gradients. Tolerances, as bounds on the largest error relative to the
@@ -15,26 +15,15 @@ place, 2^-11 and 2^-8: the outputs are rounded to the dtype).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRET = DEVICE == "cpu"
-_saved = os.environ.get("TRITON_INTERPRET")
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined: they are interpreted
-try:
-    triton = pytest.importorskip("triton", reason="Triton does not import on this machine")
-    from gptlab.kernels import adamw, bias_gelu, classifier, flash_attention, layernorm
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+INTERPRET = DEVICE == "cpu"  # tests/conftest.py has set TRITON_INTERPRET=1 then
+triton = pytest.importorskip("triton", reason="Triton does not import on this machine")
 
+from gptlab.kernels import adamw, bias_gelu, classifier, flash_attention, layernorm  # noqa: E402
 from gptlab import GPTConfig, init_params  # noqa: E402
 from gptlab.fast import FastStep, fast_loss_and_grads, resolve_kernels  # noqa: E402
 from gptlab.layers import chunked_classifier as ref_classifier  # noqa: E402
@@ -46,19 +35,6 @@ from gptlab.optim import adamw_update  # noqa: E402
 from gptlab.train import TrainConfig  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter():
-    """TRITON_INTERPRET=1 while this module's tests run (on a machine without CUDA) only."""
-    saved = os.environ.get("TRITON_INTERPRET")
-    if INTERPRET:
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = saved
 
 
 def randn(seed, *shape):
