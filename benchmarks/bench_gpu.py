@@ -23,6 +23,17 @@ Needs a CUDA device: without one it says so and exits 0, measuring nothing.
 2. Causal attention alone, forward + backward, 12 heads of 64, bf16, T = 1k to 16k (batch
    16k / T): the flash kernel against ``F.scaled_dot_product_attention`` (cuDNN's or
    FlashAttention's kernel) with autograd, ms and peak memory.
+3. The char recipe end to end, each run its own process, wall time and final validation loss:
+   6 layers, 6 heads, width 384, context 256, batch 64, 300 updates (learning rate 1e-3, 100
+   warmup steps, cosine to 1e-4, betas 0.9/0.99), no biases, exact GELU, no dropout (the fused
+   path has none), on the text ``--data`` (tinyshakespeare), one evaluation of 200 batches per
+   split at the start and at the end: ``python -m gptlab train --device cuda`` with the Triton
+   kernels, the torch ops and in float32, against nanoGPT's own ``prepare.py`` and ``train.py``
+   (its ``train_shakespeare_char`` config with the same overrides, compiled as it defaults to,
+   and eager), run in a scratch copy of ``--nanogpt DIR``.
+
+A contender that fails (a kernel that does not compile on this GPU, say) is reported with its
+error and left out of the tables, instead of ending the run. ``--parts`` runs a subset.
 
 Writes ``benchmarks/results/gpu.json`` and ``gpu.md`` with the machine and versions.
 """
@@ -30,9 +41,16 @@ Writes ``benchmarks/results/gpu.json`` and ``gpu.md`` with the machine and versi
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -49,6 +67,29 @@ GPT2 = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024
             gelu="erf")  # fmt: skip
 ATTENTION_T = (1024, 2048, 4096, 8192, 16384)
 GiB = 2**30
+PARTS = ("step", "attention", "char")
+CHAR = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, max_iters=300,
+            learning_rate=1e-3, min_lr=1e-4, warmup_iters=100, beta2=0.99, eval_iters=200)
+# (who, kernels or compile, precision), in the order they run
+CHAR_RUNS = (("gptlab", "triton", "bfloat16"), ("nanoGPT", "compiled", "bfloat16"),
+             ("gptlab", "torch", "bfloat16"), ("nanoGPT", "eager", "bfloat16"),
+             ("gptlab", "triton", "float32"), ("nanoGPT", "eager", "float32"))
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def working(steps: dict, failures: list, label: str) -> dict:
+    """The contenders of ``steps`` that run once without an error; each failure is printed and
+    appended to ``failures`` as (label, name, the error's last line)."""
+    kept = {}
+    for name, step in steps.items():
+        try:
+            step()
+            kept[name] = step
+        except Exception as error:  # noqa: BLE001 (any failure is reported, not hidden)
+            traceback.print_exc()
+            failures.append({"where": label, "contender": name,
+                             "error": f"{type(error).__name__}: {error}".splitlines()[0][:300]})
+    return kept
 
 
 def matmul_peak_tflops(n: int = 8192, repeats: int = 5) -> float:
@@ -97,7 +138,7 @@ def nanogpt_steps(checkout: Path | None, idx, targets, precision: str) -> dict:
     return {"nanoGPT eager": lambda: step(model), "nanoGPT compiled": lambda: step(compiled)}
 
 
-def run_steps(args, cfg, peak: float) -> list[dict]:
+def run_steps(args, cfg, peak: float, failures: list) -> list[dict]:
     params = init_params(cfg, seed=0, backend="torch", dtype="float32", device="cuda")
     n_params = sum(p.numel() for name, p in params.items() if name != "wpe.weight")
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -108,7 +149,8 @@ def run_steps(args, cfg, peak: float) -> list[dict]:
     for precision in ("bfloat16", "float32"):
         steps = {**gptlab_steps(cfg, params, idx, targets, precision),
                  **nanogpt_steps(args.nanogpt, idx, targets, precision)}  # fmt: skip
-        paired_times(steps, 2, "cuda")  # warm-up: Triton's and torch.compile's compiles first
+        steps = working(steps, failures, precision)  # first calls compile (Triton, torch.compile)
+        paired_times(steps, 1, "cuda")  # warm-up
         memory = {name: peak_bytes(step, "cuda") for name, step in steps.items()}
         seconds = paired_times(steps, args.rounds, "cuda")
         for name, times in seconds.items():
@@ -122,7 +164,7 @@ def run_steps(args, cfg, peak: float) -> list[dict]:
     return rows
 
 
-def run_attention() -> list[dict]:
+def run_attention(failures: list) -> list[dict]:
     from gptlab.kernels.flash_attention import flash_attention_backward, flash_attention_forward
 
     rows = []
@@ -141,12 +183,87 @@ def run_attention() -> list[dict]:
             return torch.autograd.grad(out, leaves, dout)
 
         steps = {"Triton flash": triton_flash, "F.scaled_dot_product_attention": torch_sdpa}
+        steps = working(steps, failures, f"attention T={T}")  # first calls compile
         paired_times(steps, 1, "cuda")  # warm-up
         memory = {name: peak_bytes(step, "cuda") for name, step in steps.items()}
         seconds = paired_times(steps, 10, "cuda")
         for name, times in seconds.items():
             rows.append({"T": T, "contender": name, "ms": 1e3 * statistics.median(times),
                          "peak_gib": memory[name] / GiB})
+    return rows
+
+
+def last_val_loss_gptlab(out_dir: Path) -> float:
+    """The validation loss of the last evaluation in a gptlab run's log.csv."""
+    with open(out_dir / "log.csv") as f:
+        return float(list(csv.DictReader(f))[-1]["val_loss"])
+
+
+def gptlab_char_command(data: Path, out_dir: Path, precision: str, kernels: str) -> list[str]:
+    c = CHAR
+    return [sys.executable, "-m", "gptlab", "train", "--data", str(data), "--device", "cuda",
+            "--n-layer", str(c["n_layer"]), "--n-head", str(c["n_head"]),
+            "--n-embd", str(c["n_embd"]), "--block-size", str(c["block_size"]),
+            "--batch-size", str(c["batch_size"]), "--max-iters", str(c["max_iters"]),
+            "--lr", str(c["learning_rate"]), "--min-lr", str(c["min_lr"]),
+            "--warmup-iters", str(c["warmup_iters"]), "--betas", "0.9", str(c["beta2"]),
+            "--no-bias", "--gelu", "erf", "--dropout", "0", "--eval-interval", str(c["max_iters"]),
+            "--eval-iters", str(c["eval_iters"]), "--checkpoint-interval", "0",
+            "--precision", precision, "--kernels", kernels, "--out-dir", str(out_dir), "--quiet"]
+
+
+def nanogpt_char_command(compile_: bool, precision: str) -> list[str]:
+    c = CHAR
+    return [sys.executable, "train.py", "config/train_shakespeare_char.py",
+            f"--batch_size={c['batch_size']}", f"--max_iters={c['max_iters']}",
+            f"--lr_decay_iters={c['max_iters']}", f"--eval_interval={c['max_iters']}",
+            f"--eval_iters={c['eval_iters']}", "--dropout=0.0", f"--compile={compile_}",
+            f"--dtype={precision}", "--device=cuda"]
+
+
+def run_char(args, failures: list) -> list[dict]:
+    """Each run a process from start to exit: wall seconds and the last validation loss."""
+    if not args.data.is_file():
+        failures.append({"where": "char", "contender": "all", "error": f"no text at {args.data}"})
+        return []
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        nano = Path(tmp) / "nanoGPT"
+        if args.nanogpt is not None:
+            shutil.copytree(args.nanogpt, nano)
+            prepared = nano / "data" / "shakespeare_char"
+            shutil.copy(args.data, prepared / "input.txt")
+            subprocess.run([sys.executable, "prepare.py"], cwd=prepared, check=True,
+                           capture_output=True, timeout=300)  # fmt: skip
+        runs = {}  # name -> (command, folder); gptlab and nanoGPT alternate
+        for who, how, precision in CHAR_RUNS:
+            if who == "gptlab":
+                out_dir = Path(tmp) / f"{how}-{precision}"
+                runs[f"gptlab {how}, {precision}"] = (
+                    gptlab_char_command(args.data, out_dir, precision, how), None)
+            elif args.nanogpt is not None:
+                runs[f"nanoGPT train.py, {how}, {precision}"] = (
+                    nanogpt_char_command(how == "compiled", precision), nano)
+        began = time.perf_counter()
+        for name, (command, cwd) in runs.items():
+            if args.char_budget and time.perf_counter() - began > args.char_budget:
+                failures.append({"where": "char", "contender": name,
+                                 "error": f"not run: --char-budget {args.char_budget} s spent"})
+                continue
+            start = time.perf_counter()
+            done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+            seconds = time.perf_counter() - start
+            if done.returncode != 0:
+                print(done.stdout[-2000:], done.stderr[-4000:], sep="\n")
+                failures.append({"where": "char", "contender": name,
+                                 "error": (done.stderr.strip().splitlines() or ["?"])[-1][:300]})
+                continue
+            if cwd is None:
+                loss = last_val_loss_gptlab(Path(command[command.index("--out-dir") + 1]))
+            else:
+                loss = float(re.findall(r"val loss ([0-9.]+)", done.stdout)[-1])
+            rows.append({"contender": name, "wall_s": seconds, "val_loss": loss})
+            print(f"char: {name}: {seconds:.1f} s, val loss {loss:.4f}", flush=True)
     return rows
 
 
@@ -158,10 +275,49 @@ def run(args) -> dict:
     cfg = GPTConfig(**GPT2)
     peak = matmul_peak_tflops()
     print(f"bf16 matmul peak measured: {peak:.0f} TFLOP/s", flush=True)
-    return {"machine": machine_info(args.note, torch=torch.__version__, triton=triton.__version__,
-                                    cuda=torch.version.cuda, gpu=torch.cuda.get_device_name()),
-            "batch": args.batch, "rounds": args.rounds, "bf16_peak_tflops": peak,
-            "step": run_steps(args, cfg, peak), "attention": run_attention()}
+    failures = []
+    res = {"machine": machine_info(args.note, torch=torch.__version__, triton=triton.__version__,
+                                   cuda=torch.version.cuda, gpu=torch.cuda.get_device_name()),
+           "batch": args.batch, "rounds": args.rounds, "bf16_peak_tflops": peak,
+           "step": run_steps(args, cfg, peak, failures) if "step" in args.parts else [],
+           "attention": run_attention(failures) if "attention" in args.parts else []}
+    res["char"] = run_char(args, failures) if "char" in args.parts else []
+    res["failures"] = failures
+    return res
+
+
+def goal_lines(res: dict) -> list[str]:
+    """The ratios of the issue's goals, from the rows measured side by side in this run."""
+    step = {(r["precision"], r["contender"]): r for r in res["step"]}
+    attention = {(r["T"], r["contender"]): r["ms"] for r in res["attention"]}
+    char = {r["contender"]: r["wall_s"] for r in res.get("char", [])}
+    lines = []
+
+    def ratio(label, a, b, goal):
+        if a is not None and b is not None:
+            lines.append(f"- {label}: {a / b:.2f}x (goal: at most {goal})")
+
+    triton16, nano16 = step.get(("bfloat16", "gptlab triton")), step.get(
+        ("bfloat16", "nanoGPT compiled"))
+    if triton16 and nano16:
+        ratio("bf16 step time, gptlab Triton / nanoGPT compiled", triton16["ms"], nano16["ms"],
+              "1.0x")
+        ratio("bf16 peak memory, gptlab Triton / nanoGPT compiled", triton16["peak_gib"],
+              nano16["peak_gib"], "1.0x")
+    triton32, autograd32 = (step.get(("float32", name)) for name in
+                            ("gptlab triton", "autograd over gptlab.reference"))  # fmt: skip
+    if triton32 and autograd32:
+        ratio("float32 (TF32) step time, gptlab Triton / autograd eager", triton32["ms"],
+              autograd32["ms"], "0.9x")
+    for T in sorted({T for T, _ in attention}):
+        ratio(f"flash kernel / F.scaled_dot_product_attention at T = {T}",
+              attention.get((T, "Triton flash")),
+              attention.get((T, "F.scaled_dot_product_attention")), "1.3x")
+    for nano in ("compiled", "eager"):
+        ratio(f"char recipe wall time, gptlab Triton bf16 / nanoGPT {nano} bf16",
+              char.get("gptlab triton, bfloat16"),
+              char.get(f"nanoGPT train.py, {nano}, bfloat16"), "1.0x")
+    return ["", "Against the goals (ratios of the figures above):", "", *lines] if lines else []
 
 
 def markdown(res: dict) -> str:
@@ -182,6 +338,18 @@ def markdown(res: dict) -> str:
               "| T | contender | ms | peak GiB |", "|---:|---|---:|---:|"]
     for r in res["attention"]:
         lines.append(f"| {r['T']} | {r['contender']} | {r['ms']:.2f} | {r['peak_gib']:.2f} |")
+    if res.get("char"):
+        lines += ["", "The char recipe end to end (one process each, wall time from start to exit, "
+                  "compiles included), final validation loss over 200 batches. gptlab's float32 run "
+                  "multiplies in IEEE float32 (the CLI leaves TF32 off); nanoGPT's train.py turns "
+                  "TF32 on:", "",
+                  "| run | wall s | val loss |", "|---|---:|---:|"]
+        lines += [f"| {r['contender']} | {r['wall_s']:.1f} | {r['val_loss']:.4f} |"
+                  for r in res["char"]]
+    lines += goal_lines(res)
+    if res.get("failures"):
+        lines += ["", "Contenders that failed, left out of the tables:", ""]
+        lines += [f"- {f['where']}, {f['contender']}: `{f['error']}`" for f in res["failures"]]
     return "\n".join(lines) + "\n"
 
 
@@ -192,6 +360,11 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--note", default="")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                        help="the text of the char recipe (tinyshakespeare)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--char-budget", type=float, default=0,
+                        help="seconds after which no further char run starts (0: no limit)")
     parser.add_argument("--markdown-only", action="store_true",
                         help="rewrite gpu.md from gpu.json, measuring nothing")
     parser.add_argument("--no-write", action="store_true")

@@ -495,7 +495,8 @@ class FastStep:
     recompute, kernels.
 
         loss, grads = step(master_params, idx, targets)
-        grads: float32, like the master weights; None when float16 overflowed (skip the update)
+        grads: float32, like the master weights, in buffers the next call overwrites (copy
+        them to keep them); None when float16 overflowed (skip the update)
     """
 
     def __init__(self, cfg: GPTConfig, precision: str = "float32", *, scaler=None, **options):
@@ -510,7 +511,7 @@ class FastStep:
             raise ValueError(f"a loss scaler is for float16 (its range ends at 65504), not "
                              f"precision={precision!r}")
         self.scaler = (scaler or LossScaler()) if precision == "float16" else None
-        self.buffers = None
+        self.buffers = self.compute = self.master_grads = None
 
     def __call__(self, params: dict, idx, targets):
         if self.precision != "float32" and params["wte.weight"].dtype != torch.float32:
@@ -518,7 +519,11 @@ class FastStep:
                             f"{params['wte.weight'].dtype}")  # fmt: skip
         compute = params  # "float32": the model's own dtype (float64 too), no copy
         if self.precision != "float32":
-            compute = {name: p.to(self.dtype) for name, p in params.items()}  # compute copies
+            # the compute copies, rewritten in one multi-tensor pass (not one copy per parameter)
+            self.compute = self.compute or {name: torch.empty_like(p, dtype=self.dtype)
+                                            for name, p in params.items()}  # fmt: skip
+            torch._foreach_copy_(list(self.compute.values()), list(params.values()))
+            compute = self.compute
         if self.buffers is None:
             self.buffers = new_grad_buffers(compute)
         scale = 1.0 if self.scaler is None else self.scaler.scale
@@ -526,7 +531,13 @@ class FastStep:
                                           loss_scale=scale, **self.options)  # fmt: skip
         if self.precision == "float32":
             return loss, grads
-        master_grads = {name: g.float().div_(scale) for name, g in grads.items()}  # float32
+        # float32 gradients of the master weights, in buffers reused every step as self.buffers
+        self.master_grads = self.master_grads or {name: torch.empty_like(g, dtype=torch.float32)
+                                                  for name, g in grads.items()}  # fmt: skip
+        master_grads = self.master_grads
+        torch._foreach_copy_(list(master_grads.values()), list(grads.values()))
+        if scale != 1.0:
+            torch._foreach_div_(list(master_grads.values()), scale)
         if self.scaler is not None:
             finite = math.isfinite(loss) and all(bool(torch.isfinite(g).all())
                                                   for g in master_grads.values())

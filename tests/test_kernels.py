@@ -66,7 +66,10 @@ def directional_fd(forward, inputs, dout, direction, eps=1e-6):
 
 # --- flash attention ------------------------------------------------------------------------------
 
-FLASH_CASES = [  # (B*NH, Tq, Tk, hs, hv, causal): tiles of 16
+# The backward's two kinds of programs on tiles of unequal sides, as on a GPU (BACKWARD_BLOCKS):
+# a dk/dv program's key tile spans two query tiles, a dq program's query tile two key tiles.
+SMALL_BACKWARD = dict(dkdv_blocks=(16, 32), dq_blocks=(32, 16))
+FLASH_CASES = [  # (B*NH, Tq, Tk, hs, hv, causal): forward tiles of 16
     (2, 33, 33, 8, 8, True),  # 3 tiles, the last one short; tiles across the diagonal
     (2, 33, 33, 8, 8, False),
     (1, 1, 5, 4, 4, True),  # one query (a decode step: it sees all 5 keys)
@@ -84,7 +87,7 @@ def flash(dtype, case, seed=0):
     out, cache = flash_attention.flash_attention_forward(q, k, v, causal=causal, block_q=16,
                                                          block_k=16)  # fmt: skip
     want, want_cache = ref_flash.flash_attention_forward(q64, k64, v64, causal=causal)
-    grads = flash_attention.flash_attention_backward(dout, cache)
+    grads = flash_attention.flash_attention_backward(dout, cache, **SMALL_BACKWARD)
     want_grads = ref_flash.flash_attention_backward(dout64, want_cache)
     return (out, *grads), (want, *want_grads)
 
@@ -112,7 +115,8 @@ def test_flash_attention_shares_key_value_heads(n_kv_head):
     k, v = randn(2, 2, n_kv_head, 19, 8), randn(3, 2, n_kv_head, 19, 8)
     out, cache = flash_attention.flash_attention_forward(
         *(x.float().to(DEVICE) for x in (q, k, v)), causal=True, block_q=16, block_k=16)
-    grads = flash_attention.flash_attention_backward(dout.float().to(DEVICE), cache)
+    grads = flash_attention.flash_attention_backward(dout.float().to(DEVICE), cache,
+                                                     **SMALL_BACKWARD)  # fmt: skip
     repeated = [x.repeat_interleave(group, dim=1) for x in (k, v)]  # (2, 4, 19, 8)
     want, want_cache = ref_flash.flash_attention_forward(q, *repeated, causal=True)
     dq, dk, dv = ref_flash.flash_attention_backward(dout, want_cache)
@@ -131,7 +135,8 @@ def test_flash_attention_gradients_match_finite_differences():
     q, k, v = (x.float().to(DEVICE) for x in inputs)
     _, cache = flash_attention.flash_attention_forward(q, k, v, causal=True, block_q=16,
                                                        block_k=16)  # fmt: skip
-    grads = flash_attention.flash_attention_backward(dout.float().to(DEVICE), cache)
+    grads = flash_attention.flash_attention_backward(dout.float().to(DEVICE), cache,
+                                                     **SMALL_BACKWARD)  # fmt: skip
     analytic = sum(float((g.double().cpu() * d).sum()) for g, d in zip(grads, direction))
     numeric = directional_fd(
         lambda *x: ref_flash.flash_attention_forward(*x, causal=True)[0], inputs, dout, direction)
@@ -146,7 +151,8 @@ def test_causal_tiles_above_the_diagonal_are_never_read():
     k[:, 32:], v[:, 32:] = torch.nan, torch.nan
     out, cache = flash_attention.flash_attention_forward(
         *(x.to(DEVICE) for x in (q, k, v)), causal=True, block_q=16, block_k=16)
-    dq, _, _ = flash_attention.flash_attention_backward(dout.to(DEVICE), cache)
+    dq, _, _ = flash_attention.flash_attention_backward(dout.to(DEVICE), cache,
+                                                        dkdv_blocks=(16, 16), dq_blocks=(16, 16))
     assert torch.isfinite(out[:, :32]).all() and torch.isfinite(dq[:, :32]).all()
     assert torch.isnan(out[:, 32:]).all()
 
@@ -161,6 +167,9 @@ def test_flash_attention_refuses_what_it_does_not_cover():
         flash_attention.flash_attention_forward(q.double(), q.double(), q.double())
     with pytest.raises(ValueError, match="block_q"):
         flash_attention.flash_attention_forward(q, q, q, block_q=0)
+    _, cache = flash_attention.flash_attention_forward(q, q, q, block_q=16, block_k=16)
+    with pytest.raises(ValueError, match="dq_blocks"):
+        flash_attention.flash_attention_backward(q, cache, dq_blocks=(16, 0))
 
 
 # --- LayerNorm ------------------------------------------------------------------------------------

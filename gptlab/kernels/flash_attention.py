@@ -21,8 +21,10 @@ each recomputing the weights of a tile from L, P = exp(s - L), and
 
 Causal: query i sees the keys j <= i + (Tk - Tq); a tile past the last query's diagonal is never
 loaded, the tiles across it are masked. Edge tiles (T not a multiple of the tile, head sizes not
-a power of two) are masked on load. Tile sizes: 128 queries x 64 keys (FlashAttention-2's choice
-for head sizes 64 and 128; 64 x 64 for float32 heads over 64), 4 warps for hs <= 64, 8 above.
+a power of two) are masked on load. Tiles, warps and pipeline stages were picked by a sweep on an
+H100 (GPT-2's heads, T = 1024 and 4096, bf16; benchmarks/results/gpu.md): the forward takes 64
+queries x 64 keys, the backward BACKWARD_BLOCKS, 4 warps for head sizes up to 64 (8 above), and
+STAGES by the dtype's size (float32 tiles fill shared memory sooner).
 Under the interpreter (NumPy has no bfloat16) bfloat16 tiles are multiplied in float32 after
 rounding to bfloat16: the same products as the tensor cores'.
 
@@ -195,16 +197,20 @@ def _flash_backward_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, D_ptr, dq_
     tl.store(dq_ptr + q_at, dq * scale, mask=q_mask)
 
 
+# Tiles of the backward, (query rows, key rows) per program, by the inputs' dtype: a dk/dv
+# program holds a key tile and walks the query tiles, a dq program the reverse; each keeps its
+# own tile tall (FlashAttention-2's backward; measured on an H100, benchmarks/results/gpu.md).
+BACKWARD_BLOCKS = {"dkdv": {2: (64, 64), 4: (32, 64)}, "dq": {2: (64, 32), 4: (64, 32)}}
+# Software-pipeline stages (loads in flight) by bytes per element: (forward, backward).
+STAGES = {2: (4, 3), 4: (2, 2)}
+
+
 @dataclass(frozen=True)
 class _Launch:
-    """One call's hyperparameters and the launch settings they imply."""
+    """One call's hyperparameters: what the backward needs of the forward's call."""
 
     causal: bool
     scale: float
-    block_q: int
-    block_k: int
-    num_warps: int
-    num_stages: int
     group: int  # query heads per key/value head
 
 
@@ -222,22 +228,19 @@ def _heads_group(q, k, v) -> int:
 
 
 def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                            block_q: int | None = None, block_k: int = 64,
-                            num_warps: int | None = None, num_stages: int = 2):  # fmt: skip
+                            block_q: int = 64, block_k: int = 64, num_warps: int | None = None,
+                            num_stages: int | None = None):  # fmt: skip
     """q (..., Tq, hs), k (..., Tk, hs), v (..., Tk, hv) -> (out (..., Tq, hv), cache), as the
     layer, with hs, hv at most 128. The leading dims of k and v equal q's (no broadcast), except
     that k and v may have fewer heads (dim -3, GQA): NKV dividing NH, query head h reads
     key/value head h // (NH / NKV), as LLaMA's repeat_interleave. The cache is (q, k, v, out,
-    lse (..., Tq, 1) float32, settings). ``block_q`` None: 128, or 64 for float32 heads over 64
-    (the backward's float32 tiles then fill the 227 KB of shared memory an H100 block may have).
+    lse (..., Tq, 1) float32, settings). ``num_stages`` None: the dtype's STAGES.
     """
     group = _heads_group(q, k, v)
     # the layer's checks, on q's first NKV heads (the layer itself has no GQA)
     _check_inputs(q if group == 1 else q[..., : k.shape[-3], :, :], k, v, None, causal)
     check_tensors(q=q, k=k, v=v)
     (Tq, hs), (Tk, hv) = q.shape[-2:], v.shape[-2:]
-    if block_q is None:
-        block_q = 64 if q.dtype == torch.float32 and max(hs, hv) > 64 else 128
     _check_block("block_q", block_q)
     _check_block("block_k", block_k)
     if Tq == 0 or max(hs, hv) > 128:
@@ -246,41 +249,55 @@ def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | Non
     if causal and Tq > Tk:
         raise ValueError(f"causal=True with Tq={Tq} > Tk={Tk} leaves queries without a key")
     scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
-    warps = num_warps or (4 if max(hs, hv) <= 64 else 8)
-    settings = _Launch(causal, scale, block_q, block_k, warps, num_stages, group)
+    settings = _Launch(causal, scale, group)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     BH = math.prod(q.shape[:-2])
     out = torch.empty(q.shape[:-1] + (hv,), dtype=q.dtype, device=q.device)  # (..., Tq, hv)
     lse = torch.empty(q.shape[:-1] + (1,), dtype=torch.float32, device=q.device)  # (..., Tq, 1)
     _flash_forward_kernel[(triton.cdiv(Tq, block_q), BH)](
-        q, k, v, out, lse, Tq, Tk, hs, hv, group, scale, **_constants(settings, q.dtype, hs, hv))
+        q, k, v, out, lse, Tq, Tk, hs, hv, group, scale,
+        **_constants(causal, (block_q, block_k), q.dtype, hs, hv, num_warps,
+                     num_stages or STAGES[min(q.element_size(), 4)][0]))
     return out, (q, k, v, out, lse, settings)
 
 
-def flash_attention_backward(dout, cache):
-    """dout (..., Tq, hv) -> (dq, dk, dv), each of its input's shape and dtype."""
+def flash_attention_backward(dout, cache, *, dkdv_blocks: tuple | None = None,
+                             dq_blocks: tuple | None = None, num_warps: int | None = None,
+                             num_stages: int | None = None):  # fmt: skip
+    """dout (..., Tq, hv) -> (dq, dk, dv), each of its input's shape and dtype. ``dkdv_blocks``,
+    ``dq_blocks``: the (query rows, key rows) tiles of the two kinds of programs; None: the
+    dtype's BACKWARD_BLOCKS. ``num_stages`` None: the dtype's STAGES."""
     q, k, v, out, lse, settings = cache
     check_tensors(dout=dout)
     dout = dout.to(q.dtype).contiguous()
     (Tq, hs), (Tk, hv) = q.shape[-2:], v.shape[-2:]
     BH = math.prod(q.shape[:-2])
+    size = min(q.element_size(), 4)
+    dkdv_blocks = dkdv_blocks or BACKWARD_BLOCKS["dkdv"][size]
+    dq_blocks = dq_blocks or BACKWARD_BLOCKS["dq"][size]
+    num_stages = num_stages or STAGES[size][1]
+    for name, blocks in (("dkdv_blocks", dkdv_blocks), ("dq_blocks", dq_blocks)):
+        for block in blocks:
+            _check_block(name, block)
     D = torch.empty_like(lse)  # (..., Tq, 1) float32
     rows = 64
     _flash_backward_D_kernel[(triton.cdiv(BH * Tq, rows),)](
         dout, out, D, BH * Tq, hv, BLOCK_Q=rows, BLOCK_HV=pow2(hv))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    constants = _constants(settings, q.dtype, hs, hv)
-    group = settings.group
-    _flash_backward_dkdv_kernel[(triton.cdiv(Tk, settings.block_k), BH // group)](
-        q, k, v, dout, lse, D, dk, dv, Tq, Tk, hs, hv, group, settings.scale, **constants)
-    _flash_backward_dq_kernel[(triton.cdiv(Tq, settings.block_q), BH)](
-        q, k, v, dout, lse, D, dq, Tq, Tk, hs, hv, group, settings.scale, **constants)
+    group, scale = settings.group, settings.scale
+    _flash_backward_dkdv_kernel[(triton.cdiv(Tk, dkdv_blocks[1]), BH // group)](
+        q, k, v, dout, lse, D, dk, dv, Tq, Tk, hs, hv, group, scale,
+        **_constants(settings.causal, dkdv_blocks, q.dtype, hs, hv, num_warps, num_stages))
+    _flash_backward_dq_kernel[(triton.cdiv(Tq, dq_blocks[0]), BH)](
+        q, k, v, dout, lse, D, dq, Tq, Tk, hs, hv, group, scale,
+        **_constants(settings.causal, dq_blocks, q.dtype, hs, hv, num_warps, num_stages))
     return dq, dk, dv
 
 
-def _constants(settings: _Launch, dtype, hs: int, hv: int) -> dict:
-    """The compile-time arguments every flash kernel takes."""
-    return dict(CAUSAL=settings.causal, BLOCK_Q=settings.block_q, BLOCK_K=settings.block_k,
-                BLOCK_HS=pow2(hs), BLOCK_HV=pow2(hv), DOT=dot_dtype(dtype),
-                PRECISION=input_precision(), num_warps=settings.num_warps,
-                num_stages=settings.num_stages)
+def _constants(causal: bool, blocks: tuple, dtype, hs: int, hv: int, num_warps: int | None,
+               num_stages: int) -> dict:  # fmt: skip
+    """The compile-time arguments every flash kernel takes; ``blocks`` (query rows, key rows);
+    ``num_warps`` None: 4 for head sizes up to 64, 8 above."""
+    return dict(CAUSAL=causal, BLOCK_Q=blocks[0], BLOCK_K=blocks[1], BLOCK_HS=pow2(hs),
+                BLOCK_HV=pow2(hv), DOT=dot_dtype(dtype), PRECISION=input_precision(),
+                num_warps=num_warps or (4 if max(hs, hv) <= 64 else 8), num_stages=num_stages)

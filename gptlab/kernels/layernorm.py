@@ -85,6 +85,9 @@ def _layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
     tl.store(db_part_ptr + part, db, mask=in_row)
 
 
+BACKWARD_PROGRAMS = 512  # the backward's programs at most: a few per SM of an H100 (132)
+
+
 def layernorm_forward(x, w, b=None, *, eps: float = 1e-5, rows_per_program: int = 4,
                       num_warps: int | None = None):  # fmt: skip
     """x (..., C), w (C,), b (C,) or None -> (y (..., C), cache), as the layer. ``rows_per_program``
@@ -117,6 +120,9 @@ def layernorm_backward(dy, cache):
     N, C = x.shape
     dy_rows = dy.reshape(N, C).to(x.dtype).contiguous()  # (N, C)
     dx = torch.empty_like(x)  # (N, C)
+    # rows per program: the forward's, or more, so that at most BACKWARD_PROGRAMS rows of
+    # partial sums are left for the second stage
+    launch = {**launch, "ROWS": max(launch["ROWS"], triton.cdiv(N, BACKWARD_PROGRAMS))}
     G = triton.cdiv(N, launch["ROWS"])
     dw_part = torch.empty(G, C, dtype=torch.float32, device=x.device)  # (G, C)
     db_part = torch.empty(G, C, dtype=torch.float32, device=x.device)  # (G, C)
