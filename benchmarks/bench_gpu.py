@@ -146,7 +146,7 @@ def run_steps(args, cfg, peak: float, failures: list) -> list[dict]:
                                   generator=gen).cuda() for _ in range(2))  # fmt: skip
     tokens = args.batch * cfg.block_size
     rows = []
-    for precision in ("bfloat16", "float32"):
+    for precision in args.precisions:
         steps = {**gptlab_steps(cfg, params, idx, targets, precision),
                  **nanogpt_steps(args.nanogpt, idx, targets, precision)}  # fmt: skip
         steps = working(steps, failures, precision)  # first calls compile (Triton, torch.compile)
@@ -363,6 +363,8 @@ def main() -> int:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA,
                         help="the text of the char recipe (tinyshakespeare)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--precisions", nargs="+", choices=("bfloat16", "float32"),
+                        default=["bfloat16", "float32"], help="the step part's precisions")
     parser.add_argument("--char-budget", type=float, default=0,
                         help="seconds after which no further char run starts (0: no limit)")
     parser.add_argument("--markdown-only", action="store_true",

@@ -75,6 +75,9 @@ FLASH_CASES = [  # (B*NH, Tq, Tk, hs, hv, causal): forward tiles of 16
     (1, 1, 5, 4, 4, True),  # one query (a decode step: it sees all 5 keys)
     (2, 17, 17, 1, 1, True),  # head size 1 (a tile of 16 columns, 15 masked)
     (2, 5, 21, 8, 6, True),  # fewer queries than keys (a KV cache's shape), hv != hs
+    # tiles wholly below the diagonal, run unmasked, between masked ones (and an edge tile)
+    (1, 70, 70, 8, 8, True),
+    (1, 40, 70, 8, 8, True),  # and 30 keys before the first query
 ]
 
 

@@ -20,8 +20,9 @@ each recomputing the weights of a tile from L, P = exp(s - L), and
     dq += scale dS @ k,  dk += scale dS^T @ q
 
 Causal: query i sees the keys j <= i + (Tk - Tq); a tile past the last query's diagonal is never
-loaded, the tiles across it are masked. Edge tiles (T not a multiple of the tile, head sizes not
-a power of two) are masked on load. Tiles, warps and pipeline stages were picked by a sweep on an
+loaded, the tiles across it are masked, and the tiles wholly below it run without a mask (each
+loop over tiles is split in two or three: the whole tiles, and the masked ones). Edge tiles (T
+not a multiple of the tile, head sizes not a power of two) are masked on load. Tiles, warps and pipeline stages were picked by a sweep on an
 H100 (GPT-2's heads, T = 1024 and 4096, bf16; benchmarks/results/gpu.md): the forward takes 64
 queries x 64 keys, the backward BACKWARD_BLOCKS, 4 warps for head sizes up to 64 (8 above), and
 STAGES by the dtype's size (float32 tiles fill shared memory sooner).
@@ -46,14 +47,58 @@ from .launch import check_tensors, dot_dtype, input_precision, pow2
 
 
 @triton.jit
-def _tile_weights(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL: tl.constexpr,
-                  PRECISION: tl.constexpr):  # fmt: skip
-    """P = exp(q @ k^T * scale - L) (BLOCK_Q, BLOCK_K), 0 where a key is hidden or off the edge."""
+def _tile_weights(q, k, lse, rows, cols, Tq, Tk, scale, MASKED: tl.constexpr,
+                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """P = exp(q @ k^T * scale - L) (BLOCK_Q, BLOCK_K). MASKED: 0 where a key is hidden or a row
+    or key is off the edge; else the tile lies wholly inside the edges and below the diagonal."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (bq, bk)
-    visible = (rows[:, None] < Tq) & (cols[None, :] < Tk)  # (bq, bk)
+    p = tl.exp(s - lse[:, None])  # (bq, bk)
+    if MASKED:
+        visible = (rows[:, None] < Tq) & (cols[None, :] < Tk)  # (bq, bk)
+        if CAUSAL:
+            visible &= cols[None, :] <= rows[:, None] + (Tk - Tq)
+        p = tl.where(visible, p, 0.0)
+    return p
+
+
+@triton.jit
+def _whole_key_tiles(r0, Tq, Tk, CAUSAL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The end of the key tiles that every row of the query tile starting at r0 sees whole:
+    inside Tk and, causal, at or below the first row's diagonal r0 + (Tk - Tq)."""
+    end = (Tk // BLOCK_K) * BLOCK_K
     if CAUSAL:
-        visible &= cols[None, :] <= rows[:, None] + (Tk - Tq)
-    return tl.where(visible, tl.exp(s - lse[:, None]), 0.0)  # (bq, bk)
+        end = tl.minimum(end, ((r0 + (Tk - Tq) + 1) // BLOCK_K) * BLOCK_K)
+    return end
+
+
+@triton.jit
+def _forward_tiles(q, k_ptr, v_ptr, m, l, acc, rows, c_begin, c_end, Tq, Tk, HS, HV, scale,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_HS: tl.constexpr, BLOCK_HV: tl.constexpr, DOT: tl.constexpr,
+                   PRECISION: tl.constexpr):  # fmt: skip
+    """The online softmax over the key tiles [c_begin, c_end): (m, l, acc) updated. MASKED as
+    in _tile_weights."""
+    ds, dv = tl.arange(0, BLOCK_HS), tl.arange(0, BLOCK_HV)  # (BHS,), (BHV,)
+    for c0 in range(c_begin, c_end, BLOCK_K):
+        cols = c0 + tl.arange(0, BLOCK_K)  # (bk,)
+        k = tl.load(k_ptr + cols[:, None] * HS + ds[None, :],
+                    mask=(cols[:, None] < Tk) & (ds[None, :] < HS), other=0.0).to(DOT)  # (bk, BHS)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (bq, bk)
+        if MASKED:
+            visible = cols[None, :] < Tk  # (1, bk)
+            if CAUSAL:
+                visible &= cols[None, :] <= rows[:, None] + (Tk - Tq)  # (bq, bk)
+            s = tl.where(visible, s, -float("inf"))  # (bq, bk)
+        m_new = tl.maximum(m, tl.max(s, 1))  # (bq,)
+        p = tl.exp(s - m_new[:, None])  # (bq, bk), hidden keys 0
+        rescale = tl.exp(m - m_new)  # (bq,), 0 on the first tile (m = -inf)
+        l = rescale * l + tl.sum(p, 1)
+        v = tl.load(v_ptr + cols[:, None] * HV + dv[None, :],
+                    mask=(cols[:, None] < Tk) & (dv[None, :] < HV), other=0.0).to(DOT)  # (bk, BHV)
+        p = p.to(v_ptr.dtype.element_ty).to(DOT)  # P in the inputs' dtype, for the tensor cores
+        acc = rescale[:, None] * acc + tl.dot(p, v, input_precision=PRECISION)  # (bq, BHV)
+        m = m_new
+    return m, l, acc
 
 
 @triton.jit
@@ -62,7 +107,8 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, Tq, Tk, HS, HV,
                           BLOCK_HS: tl.constexpr, BLOCK_HV: tl.constexpr, DOT: tl.constexpr,
                           PRECISION: tl.constexpr):  # fmt: skip
     """Program (query tile, batch*head): out (bq, hv) and L (bq,) of its rows. Query head bh
-    reads key/value head bh // GROUP."""
+    reads key/value head bh // GROUP. The key tiles every row sees whole come first, unmasked;
+    then the tiles across the diagonal or the edge, masked."""
     r0 = tl.program_id(0) * BLOCK_Q
     bh = tl.program_id(1).to(tl.int64)
     q_ptr += bh * Tq * HS
@@ -76,24 +122,11 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, Tq, Tk, HS, HV,
     l = tl.zeros((BLOCK_Q,), tl.float32)  # (bq,) running sum of exp(s - m)
     acc = tl.zeros((BLOCK_Q, BLOCK_HV), tl.float32)  # (bq, BHV) unnormalized output
     end = tl.minimum(Tk, r0 + BLOCK_Q + Tk - Tq) if CAUSAL else Tk  # the last key any row sees + 1
-    for c0 in range(0, end, BLOCK_K):
-        cols = c0 + tl.arange(0, BLOCK_K)  # (bk,)
-        k = tl.load(k_ptr + cols[:, None] * HS + ds[None, :],
-                    mask=(cols[:, None] < Tk) & (ds[None, :] < HS), other=0.0).to(DOT)  # (bk, BHS)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (bq, bk)
-        visible = cols[None, :] < Tk  # (1, bk)
-        if CAUSAL:
-            visible &= cols[None, :] <= rows[:, None] + (Tk - Tq)  # (bq, bk)
-        s = tl.where(visible, s, -float("inf"))  # (bq, bk)
-        m_new = tl.maximum(m, tl.max(s, 1))  # (bq,)
-        p = tl.exp(s - m_new[:, None])  # (bq, bk), hidden keys 0
-        rescale = tl.exp(m - m_new)  # (bq,), 0 on the first tile (m = -inf)
-        l = rescale * l + tl.sum(p, 1)
-        v = tl.load(v_ptr + cols[:, None] * HV + dv[None, :],
-                    mask=(cols[:, None] < Tk) & (dv[None, :] < HV), other=0.0).to(DOT)  # (bk, BHV)
-        p = p.to(v_ptr.dtype.element_ty).to(DOT)  # P in the inputs' dtype, for the tensor cores
-        acc = rescale[:, None] * acc + tl.dot(p, v, input_precision=PRECISION)  # (bq, BHV)
-        m = m_new
+    whole = _whole_key_tiles(r0, Tq, Tk, CAUSAL, BLOCK_K)
+    m, l, acc = _forward_tiles(q, k_ptr, v_ptr, m, l, acc, rows, 0, whole, Tq, Tk, HS, HV, scale,
+                               False, CAUSAL, BLOCK_K, BLOCK_HS, BLOCK_HV, DOT, PRECISION)
+    m, l, acc = _forward_tiles(q, k_ptr, v_ptr, m, l, acc, rows, whole, end, Tq, Tk, HS, HV,
+                               scale, True, CAUSAL, BLOCK_K, BLOCK_HS, BLOCK_HV, DOT, PRECISION)
     out = acc / l[:, None]  # (bq, BHV)
     tl.store(out_ptr + bh * Tq * HV + rows[:, None] * HV + dv[None, :], out,
              mask=(rows[:, None] < Tq) & (dv[None, :] < HV))
@@ -115,13 +148,44 @@ def _flash_backward_D_kernel(dout_ptr, out_ptr, D_ptr, N, HV, BLOCK_Q: tl.conste
 
 
 @triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, D_ptr, cols, r_begin, r_end, Tq, Tk, HS,
+                HV, scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                BLOCK_HS: tl.constexpr, BLOCK_HV: tl.constexpr, DOT: tl.constexpr,
+                PRECISION: tl.constexpr):  # fmt: skip
+    """dk (bk, BHS), dv (bk, BHV) plus the query tiles [r_begin, r_end) of one head (q_ptr,
+    dout_ptr, lse_ptr, D_ptr at that head). MASKED as in _tile_weights."""
+    ds, dvs = tl.arange(0, BLOCK_HS), tl.arange(0, BLOCK_HV)
+    for r0 in range(r_begin, r_end, BLOCK_Q):
+        rows = r0 + tl.arange(0, BLOCK_Q)  # (bq,)
+        q = tl.load(q_ptr + rows[:, None] * HS + ds[None, :],
+                    mask=(rows[:, None] < Tq) & (ds[None, :] < HS), other=0.0).to(DOT)
+        dout = tl.load(dout_ptr + rows[:, None] * HV + dvs[None, :],
+                       mask=(rows[:, None] < Tq) & (dvs[None, :] < HV), other=0.0).to(DOT)
+        lse = tl.load(lse_ptr + rows, mask=rows < Tq, other=0.0)  # (bq,)
+        D = tl.load(D_ptr + rows, mask=rows < Tq, other=0.0)  # (bq,)
+        # p = exp(scores - m_new) over all tiles, normalized by l: P = exp(s - L)
+        p = _tile_weights(q, k, lse, rows, cols, Tq, Tk, scale, MASKED, CAUSAL, PRECISION)
+        # acc = rescale * acc + p @ v, i.e. out = P @ v
+        dv += tl.dot(tl.trans(p.to(q_ptr.dtype.element_ty).to(DOT)), dout,
+                     input_precision=PRECISION)  # (bk, BHV)
+        dp = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # (bq, bk)
+        # P = softmax(s): dS = P * (dP - D)
+        dscores = (p * (dp - D[:, None])).to(q_ptr.dtype.element_ty).to(DOT)  # (bq, bk)
+        # s = q @ k^T * scale
+        dk += tl.dot(tl.trans(dscores), q, input_precision=PRECISION)  # (bk, BHS)
+    return dk, dv
+
+
+@triton.jit
 def _flash_backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, D_ptr, dk_ptr, dv_ptr,
                                 Tq, Tk, HS, HV, GROUP, scale, CAUSAL: tl.constexpr,
                                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_HS: tl.constexpr, BLOCK_HV: tl.constexpr,
                                 DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """Program (key tile, batch*key/value head): dk (bk, hs) and dv (bk, hv) of its keys, summed
-    over the query tiles that see them, of each of the GROUP query heads that read them."""
+    over the query tiles that see them, of each of the GROUP query heads that read them. The
+    query tiles across the diagonal and past Tq are masked, those that see the key tile whole
+    are not."""
     c0 = tl.program_id(0) * BLOCK_K
     kvh = tl.program_id(1).to(tl.int64)
     cols = c0 + tl.arange(0, BLOCK_K)  # (bk,)
@@ -134,30 +198,51 @@ def _flash_backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, D_ptr, d
     v = tl.load(v_ptr + v_at, mask=v_mask, other=0.0).to(DOT)  # (bk, BHV)
     dk = tl.zeros((BLOCK_K, BLOCK_HS), tl.float32)  # (bk, BHS)
     dv = tl.zeros((BLOCK_K, BLOCK_HV), tl.float32)  # (bk, BHV)
-    # causal: the first query that sees key c0 is c0 - (Tk - Tq); start at its tile
+    # causal: the first query that sees key c0 is c0 - (Tk - Tq); start at its tile. The first
+    # query tile that sees the whole key tile starts at or after c0 + BLOCK_K - 1 - (Tk - Tq).
     start = (tl.maximum(c0 - (Tk - Tq), 0) // BLOCK_Q) * BLOCK_Q if CAUSAL else 0
+    whole_begin = 0
+    if CAUSAL:
+        whole_begin = tl.cdiv(tl.maximum(c0 + BLOCK_K - 1 - (Tk - Tq), 0), BLOCK_Q) * BLOCK_Q
+    whole_begin = tl.where(c0 + BLOCK_K > Tk, Tq, whole_begin)  # a key tile across the edge
+    whole_end = (Tq // BLOCK_Q) * BLOCK_Q  # the query tiles inside Tq
     for g in range(GROUP):  # the query heads that read this key/value head
         bh = kvh * GROUP + g
-        for r0 in range(start, Tq, BLOCK_Q):
-            rows = r0 + tl.arange(0, BLOCK_Q)  # (bq,)
-            q = tl.load(q_ptr + bh * Tq * HS + rows[:, None] * HS + ds[None, :],
-                        mask=(rows[:, None] < Tq) & (ds[None, :] < HS), other=0.0).to(DOT)
-            dout = tl.load(dout_ptr + bh * Tq * HV + rows[:, None] * HV + dvs[None, :],
-                           mask=(rows[:, None] < Tq) & (dvs[None, :] < HV), other=0.0).to(DOT)
-            lse = tl.load(lse_ptr + bh * Tq + rows, mask=rows < Tq, other=0.0)  # (bq,)
-            D = tl.load(D_ptr + bh * Tq + rows, mask=rows < Tq, other=0.0)  # (bq,)
-            # p = exp(scores - m_new) over all tiles, normalized by l: P = exp(s - L)
-            p = _tile_weights(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PRECISION)
-            # acc = rescale * acc + p @ v, i.e. out = P @ v
-            dv += tl.dot(tl.trans(p.to(q_ptr.dtype.element_ty).to(DOT)), dout,
-                         input_precision=PRECISION)  # (bk, BHV)
-            dp = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # (bq, bk)
-            # P = softmax(s): dS = P * (dP - D)
-            dscores = (p * (dp - D[:, None])).to(q_ptr.dtype.element_ty).to(DOT)  # (bq, bk)
-            # s = q @ k^T * scale
-            dk += tl.dot(tl.trans(dscores), q, input_precision=PRECISION)  # (bk, BHS)
+        q_head, dout_head = q_ptr + bh * Tq * HS, dout_ptr + bh * Tq * HV
+        lse_head, D_head = lse_ptr + bh * Tq, D_ptr + bh * Tq
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, dout_head, lse_head, D_head, cols, start,
+                             tl.minimum(whole_begin, Tq), Tq, Tk, HS, HV, scale, True, CAUSAL,
+                             BLOCK_Q, BLOCK_HS, BLOCK_HV, DOT, PRECISION)  # fmt: skip
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, dout_head, lse_head, D_head, cols, whole_begin,
+                             whole_end, Tq, Tk, HS, HV, scale, False, CAUSAL, BLOCK_Q, BLOCK_HS,
+                             BLOCK_HV, DOT, PRECISION)  # fmt: skip
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, dout_head, lse_head, D_head, cols,
+                             tl.maximum(whole_begin, whole_end), Tq, Tq, Tk, HS, HV, scale, True,
+                             CAUSAL, BLOCK_Q, BLOCK_HS, BLOCK_HV, DOT, PRECISION)  # fmt: skip
     tl.store(dk_ptr + k_at, dk * scale, mask=k_mask)
     tl.store(dv_ptr + v_at, dv, mask=v_mask)
+
+
+@triton.jit
+def _dq_tiles(dq, q, dout, lse, D, k_ptr, v_ptr, rows, c_begin, c_end, Tq, Tk, HS, HV, scale,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_HS: tl.constexpr, BLOCK_HV: tl.constexpr, DOT: tl.constexpr,
+              PRECISION: tl.constexpr):  # fmt: skip
+    """dq (bq, BHS) plus the key tiles [c_begin, c_end). MASKED as in _tile_weights."""
+    ds, dvs = tl.arange(0, BLOCK_HS), tl.arange(0, BLOCK_HV)
+    for c0 in range(c_begin, c_end, BLOCK_K):
+        cols = c0 + tl.arange(0, BLOCK_K)  # (bk,)
+        k = tl.load(k_ptr + cols[:, None] * HS + ds[None, :],
+                    mask=(cols[:, None] < Tk) & (ds[None, :] < HS), other=0.0).to(DOT)  # (bk, BHS)
+        v = tl.load(v_ptr + cols[:, None] * HV + dvs[None, :],
+                    mask=(cols[:, None] < Tk) & (dvs[None, :] < HV), other=0.0).to(DOT)  # (bk, BHV)
+        # P = exp(s - L);  dP = dout @ v^T;  dS = P * (dP - D)
+        p = _tile_weights(q, k, lse, rows, cols, Tq, Tk, scale, MASKED, CAUSAL, PRECISION)
+        dp = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # (bq, bk)
+        dscores = (p * (dp - D[:, None])).to(k_ptr.dtype.element_ty).to(DOT)  # (bq, bk)
+        # s = q @ k^T * scale
+        dq += tl.dot(dscores, k, input_precision=PRECISION)  # (bq, BHS)
+    return dq
 
 
 @triton.jit
@@ -166,7 +251,8 @@ def _flash_backward_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, D_ptr, dq_
                               BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                               BLOCK_HS: tl.constexpr, BLOCK_HV: tl.constexpr,
                               DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """Program (query tile, batch*head): dq (bq, hs), summed over the key tiles it sees."""
+    """Program (query tile, batch*head): dq (bq, hs), summed over the key tiles it sees: those
+    it sees whole unmasked, then those across the diagonal or the edge."""
     r0 = tl.program_id(0) * BLOCK_Q
     bh = tl.program_id(1).to(tl.int64)
     k_ptr += (bh // GROUP) * Tk * HS
@@ -182,18 +268,11 @@ def _flash_backward_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, D_ptr, dq_
     D = tl.load(D_ptr + bh * Tq + rows, mask=rows < Tq, other=0.0)  # (bq,)
     dq = tl.zeros((BLOCK_Q, BLOCK_HS), tl.float32)  # (bq, BHS)
     end = tl.minimum(Tk, r0 + BLOCK_Q + Tk - Tq) if CAUSAL else Tk
-    for c0 in range(0, end, BLOCK_K):
-        cols = c0 + tl.arange(0, BLOCK_K)  # (bk,)
-        k = tl.load(k_ptr + cols[:, None] * HS + ds[None, :],
-                    mask=(cols[:, None] < Tk) & (ds[None, :] < HS), other=0.0).to(DOT)  # (bk, BHS)
-        v = tl.load(v_ptr + cols[:, None] * HV + dvs[None, :],
-                    mask=(cols[:, None] < Tk) & (dvs[None, :] < HV), other=0.0).to(DOT)  # (bk, BHV)
-        # P = exp(s - L);  dP = dout @ v^T;  dS = P * (dP - D)
-        p = _tile_weights(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PRECISION)  # (bq, bk)
-        dp = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # (bq, bk)
-        dscores = (p * (dp - D[:, None])).to(q_ptr.dtype.element_ty).to(DOT)  # (bq, bk)
-        # s = q @ k^T * scale
-        dq += tl.dot(dscores, k, input_precision=PRECISION)  # (bq, BHS)
+    whole = _whole_key_tiles(r0, Tq, Tk, CAUSAL, BLOCK_K)
+    dq = _dq_tiles(dq, q, dout, lse, D, k_ptr, v_ptr, rows, 0, whole, Tq, Tk, HS, HV, scale,
+                   False, CAUSAL, BLOCK_K, BLOCK_HS, BLOCK_HV, DOT, PRECISION)
+    dq = _dq_tiles(dq, q, dout, lse, D, k_ptr, v_ptr, rows, whole, end, Tq, Tk, HS, HV, scale,
+                   True, CAUSAL, BLOCK_K, BLOCK_HS, BLOCK_HV, DOT, PRECISION)
     tl.store(dq_ptr + q_at, dq * scale, mask=q_mask)
 
 
