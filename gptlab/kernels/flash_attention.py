@@ -20,12 +20,13 @@ each recomputing the weights of a tile from L, P = exp(s - L), and
     dq += scale dS @ k,  dk += scale dS^T @ q
 
 Causal: query i sees the keys j <= i + (Tk - Tq); a tile past the last query's diagonal is never
-loaded, the tiles across it are masked, and the tiles wholly below it run without a mask (each
-loop over tiles is split in two or three: the whole tiles, and the masked ones). Edge tiles (T
-not a multiple of the tile, head sizes not a power of two) are masked on load. Tiles, warps and pipeline stages were picked by a sweep on an
-H100 (GPT-2's heads, T = 1024 and 4096, bf16; benchmarks/results/gpu.md): the forward takes 64
-queries x 64 keys, the backward BACKWARD_BLOCKS, 4 warps for head sizes up to 64 (8 above), and
-STAGES by the dtype's size (float32 tiles fill shared memory sooner).
+loaded, the tiles across it are masked, and the tiles wholly below it run without a mask (each loop
+over tiles is split in two or three: the whole tiles, and the masked ones). Edge tiles (T not a
+multiple of the tile, head sizes not a power of two) are masked on load. Tiles, warps and pipeline
+stages were picked by a sweep on an H100 (GPT-2's heads, T = 1024 and 4096, bf16;
+benchmarks/results/gpu.md): the forward takes 64 queries x 64 keys, the backward BACKWARD_BLOCKS, 4
+warps for head sizes up to 64 (8 above), and STAGES by the dtype's size (float32 tiles fill shared
+memory sooner).
 Under the interpreter (NumPy has no bfloat16) bfloat16 tiles are multiplied in float32 after
 rounding to bfloat16: the same products as the tensor cores'.
 
