@@ -341,8 +341,8 @@ def markdown(res: dict) -> str:
     if res.get("char"):
         lines += ["", "The char recipe end to end (one process each, wall time from start to exit, "
                   "compiles included), final validation loss over 200 batches. gptlab's float32 "
-                  "run multiplies in IEEE float32 (the CLI leaves TF32 off); nanoGPT's train.py turns "
-                  "TF32 on:", "",
+                  "run multiplies in IEEE float32 (the CLI leaves TF32 off); nanoGPT's train.py "
+                  "turns TF32 on:", "",
                   "| run | wall s | val loss |", "|---|---:|---:|"]
         lines += [f"| {r['contender']} | {r['wall_s']:.1f} | {r['val_loss']:.4f} |"
                   for r in res["char"]]

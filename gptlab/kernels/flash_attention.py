@@ -27,6 +27,7 @@ stages were picked by a sweep on an H100 (GPT-2's heads, T = 1024 and 4096, bf16
 benchmarks/results/gpu.md): the forward takes 64 queries x 64 keys, the backward BACKWARD_BLOCKS, 4
 warps for head sizes up to 64 (8 above), and STAGES by the dtype's size (float32 tiles fill shared
 memory sooner).
+
 Under the interpreter (NumPy has no bfloat16) bfloat16 tiles are multiplied in float32 after
 rounding to bfloat16: the same products as the tensor cores'.
 
