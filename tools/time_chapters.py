@@ -26,7 +26,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from gptlab import course
+from gptlab.course import editions as course
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -37,7 +37,7 @@ THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS
 
 
 def chapters() -> list[Path]:
-    """The numbered chapters and the capstone project (gptlab.course's list)."""
+    """The numbered chapters and the capstone project (gptlab.course.editions's list)."""
     return course.chapters(ROOT / "book")
 
 
