@@ -48,7 +48,8 @@ from gptlab.training.data import load_text, split_train_val
 from gptlab.alignment.distill import agreement, distill
 from gptlab.training.metrics import split_loss
 from gptlab.model import count_params
-from gptlab.training.train import TrainConfig, train
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
 TEACHER = dict(lr_decay_iters=500, eval_iters=10, dtype="float64", checkpoint_interval=0,

@@ -44,7 +44,8 @@ from gptlab.training.scaling import (
     non_embedding_params,
     training_flops,
 )
-from gptlab.training.train import TrainConfig, train
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 SIZES = ((1, 1, 16), (2, 2, 32), (2, 3, 48), (3, 4, 64), (4, 6, 96), (6, 8, 128))  # L, NH, C
 BLOCK_SIZE, BATCH_SIZE = 64, 12

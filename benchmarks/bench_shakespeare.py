@@ -65,7 +65,8 @@ from gptlab.training.data import load_text, split_train_val
 from gptlab.training.metrics import evaluate_loss, split_loss
 from gptlab.model import count_params
 from gptlab.tokenizers.char import CharTokenizer
-from gptlab.training.train import TrainConfig, train
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"

@@ -65,7 +65,8 @@ from gptlab.model import count_params, gpt_backward, gpt_forward, param_shapes
 from gptlab.training.optim import AdamW
 from gptlab.quant.model import gptq_quantize_params, quantize_params
 from gptlab.tokenizers.char import CharTokenizer
-from gptlab.training.train import TrainConfig, train
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
 N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE, BATCH_SIZE = 4, 4, 64, 64, 12

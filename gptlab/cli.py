@@ -94,7 +94,7 @@ def _add_train_command(commands, options: bool = True) -> None:
     if not options:
         commands.add_parser("train", help="train (or --resume) a model")
         return
-    from .training.train import TrainConfig
+    from .training.config import TrainConfig
 
     parser = commands.add_parser(
         "train", help="train (or --resume) a model", description=TrainConfig.__doc__,
@@ -246,7 +246,7 @@ class NotGiven(int):
 def config_from_args(args: argparse.Namespace):
     """The TrainConfig that parsed ``train`` arguments describe. Without --warmup-iters, the
     default warmup (20) is shortened to fit a cosine that ends sooner."""
-    from .training.train import TrainConfig
+    from .training.config import TrainConfig
 
     values = {field.name: getattr(args, field.name) for field in fields(TrainConfig)}
     warmup = values["warmup_iters"]

@@ -21,7 +21,7 @@ from gptlab.cli import TRAIN_GROUPS, build_parser, config_from_args, main
 from gptlab.config import GPTConfig
 from gptlab.training.data import embedded_corpus
 from gptlab.layers.gelu import gelu_forward
-from gptlab.training.train import TrainConfig
+from gptlab.training.config import TrainConfig
 from test_train import _cli_args
 
 ROOT = Path(__file__).resolve().parent.parent

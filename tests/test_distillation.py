@@ -19,7 +19,8 @@ from gptlab.alignment.distill import agreement, distill
 from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gptlab.layers.distillation import distillation_backward, distillation_forward
 from gptlab.tokenizers.char import CharTokenizer
-from gptlab.training.train import TrainConfig, train
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 B, T, V = 2, 3, 5
 

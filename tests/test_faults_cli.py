@@ -87,8 +87,8 @@ def test_tensor_parallel_takes_a_vocabulary_the_ranks_do_not_divide():
     """Vocabulary 103 on 2 ranks passes the start-up check (it is padded; the equality with
     one process is tests/test_parallel_tensor.py's)."""
     settings = {name: value for name, value in TINY.items() if name != "quiet"}
-    cfg = gptlab.training.train.TrainConfig(**settings, parallel="tensor", nproc=2)
-    gptlab.training.train.check_start(cfg, 2)
+    cfg = gptlab.training.config.TrainConfig(**settings, parallel="tensor", nproc=2)
+    gptlab.training.start.check_start(cfg, 2)
     from gptlab.training.parallel.tensor import check_tensor_config
 
     check_tensor_config(cfg.model_config(vocab_size=103), 2)

@@ -25,7 +25,8 @@ from gptlab.training.parallel.base import Single
 from gptlab.training.parallel.checkpoint import read_sharded, save_sharded, shard_optimizer_state
 from gptlab.training.parallel.launch import LaunchFailed, launch
 from gptlab.tokenizers.char import CharTokenizer
-from gptlab.training.train import TrainConfig, train
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, batch_size=4, lr_schedule="constant",

@@ -20,7 +20,9 @@ from gptlab.tokenizers.bpe import ByteBPETokenizer
 from gptlab.training.checkpoint import STATE_FILE, load_run_checkpoint
 from gptlab.cli import build_parser
 from gptlab.training.data import embedded_corpus
-from gptlab.training.train import TrainConfig, TrainingDiverged, plot_losses, read_log, train
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import TrainingDiverged, train
+from gptlab.training.log import plot_losses, read_log
 
 matplotlib.use("Agg")
 ROOT = Path(__file__).resolve().parent.parent

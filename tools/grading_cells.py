@@ -148,7 +148,7 @@ def _input_hidden(meta: dict | None) -> bool:
 def stale(nb) -> bool:
     expected = expected_metadata(nb)
     for index, cell in enumerate(nb.cells):
-        if cell.metadata.get("nbgrader") != expected.get(index):
+        if course.nbgrader_of(cell) != expected.get(index, {}):
             return True
         if _input_hidden(expected.get(index)) and "hide-input" not in cell.metadata.get("tags", []):
             return True

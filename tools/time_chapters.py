@@ -51,9 +51,10 @@ class TimedClient(course.WithoutOutputWidgets, NotebookClient):
 
 
 def time_chapter(notebook: Path) -> float:
-    """Seconds to execute ``notebook`` in a fresh kernel, from the notebook's own folder."""
+    """Seconds to execute ``notebook`` in a fresh kernel, from the notebook's own folder; a cell
+    that runs longer than the other runners allow (``CELL_TIMEOUT``, nbval's limit) fails it."""
     nb = nbformat.read(notebook, as_version=4)
-    client = TimedClient(nb, timeout=1200, startup_timeout=120, kernel_name="python3",
+    client = TimedClient(nb, timeout=course.CELL_TIMEOUT, startup_timeout=120, kernel_name="python3",
                          resources={"metadata": {"path": str(notebook.parent)}})
     start = time.perf_counter()
     client.execute()

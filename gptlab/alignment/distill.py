@@ -29,14 +29,17 @@ from tqdm.auto import tqdm
 
 from ..backend import array_namespace, asarray_like, convert, to_numpy
 from ..config import GPTConfig
-from ..training.data import get_batch, load_text, split_train_val
 from ..layers.distillation import distillation_backward, distillation_forward
 from ..layers.softmax import log_softmax
-from ..training.metrics import evaluate_loss
 from ..model import gpt_backward, gpt_forward, init_params
-from ..training.schedule import clip_grad_norm, global_norm, make_schedule
 from ..tokenizers.base import Tokenizer
-from ..training.train import TrainConfig, TrainingDiverged, dropout_seed, make_optimizer
+from ..training.config import TrainConfig
+from ..training.data import get_batch, load_text, split_train_val
+from ..training.metrics import evaluate_loss
+from ..training.optim import make_optimizer
+from ..training.schedule import clip_grad_norm, global_norm, make_schedule
+from ..training.steps import dropout_seed
+from ..training.train import TrainingDiverged
 
 
 @dataclass

@@ -49,8 +49,8 @@ from ..layers.softmax import softmax_forward
 from ..layers.token_logprobs import token_logprobs_backward, token_logprobs_forward
 from ..layers.value_loss import value_loss_backward, value_loss_forward
 from ..model import gpt_backward, gpt_forward, init_params, loss_and_grads, param_shapes
-from ..training.optim import AdamW
 from ..tokenizers.char import CharTokenizer
+from ..training.optim import AdamW
 
 # ------------------------------------------------------------------------------------------------
 # The toy task

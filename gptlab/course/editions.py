@@ -52,7 +52,7 @@ GRADING_IMPORT = "try:\n    __import__('gptlab.course.grading')\nexcept ImportEr
 GRADING_RESTORE = "__import__('gptlab.course.grading', fromlist=['_restore'])._restore()"
 
 __all__ = ["CELL_TIMEOUT", "CourseError", "Edition", "ExerciseGrade", "Grades", "chapters",
-           "grade", "instructor_edition", "rubric", "student_edition"]
+           "grade", "instructor_edition", "nbgrader_of", "rubric", "student_edition"]
 
 
 class CourseError(RuntimeError):
@@ -85,13 +85,16 @@ def chapters(source="book", only: Iterable[str] = ()) -> list[Path]:
     return sorted(chosen)
 
 
-def _nbgrader(cell) -> dict:
+def nbgrader_of(cell) -> dict:
+    """A cell's nbgrader metadata (``grade_id``, ``grade``, ``solution``, ``points``, ``locked``),
+    {} for a cell that nbgrader leaves alone: the one reader of it (tools/grading_cells.py too)."""
     return cell.metadata.get("nbgrader", {})
 
 
 def _graded_cells(nb) -> list:
     """The grading cells of a chapter: code cells that nbgrader grades."""
-    return [cell for cell in nb.cells if cell.cell_type == "code" and _nbgrader(cell).get("grade")]
+    return [cell for cell in nb.cells
+            if cell.cell_type == "code" and nbgrader_of(cell).get("grade")]
 
 
 def _read(path: Path):
@@ -167,18 +170,18 @@ def _grading_autograde():
             self.execute_cell(nbformat.v4.new_code_cell(source), index, store_history=False)
 
         def preprocess_cell(self, cell, resources, index):
-            grade_id = _nbgrader(cell).get("grade_id", "")
+            grade_id = nbgrader_of(cell).get("grade_id", "")
             if index == 0:
                 self._run_quietly(GRADING_IMPORT, index)
-            if cell.cell_type == "code" and _nbgrader(cell).get("grade") \
-                    and not _nbgrader(cell).get("solution"):
+            if cell.cell_type == "code" and nbgrader_of(cell).get("grade") \
+                    and not nbgrader_of(cell).get("solution"):
                 self._run_quietly(GRADING_RESTORE, index)
                 for given in self.nb.cells:
                     if re.fullmatch(rf"{grade_id}_given(_\d+)?",
-                                    _nbgrader(given).get("grade_id", "")):
+                                    nbgrader_of(given).get("grade_id", "")):
                         self._run_quietly(given.source, index)
             cell, resources = super().preprocess_cell(cell, resources, index)
-            if _nbgrader(cell).get("grade"):
+            if nbgrader_of(cell).get("grade"):
                 for output in cell.get("outputs", []):
                     if output.output_type == "stream" and output.name == "stderr":
                         output.name = "stdout"
@@ -271,7 +274,7 @@ class _Course:
         nbgrader reported about it, less the expected notice that grading cells with hidden
         tests differ from the student version."""
         records = self._run(_grading_autograde(), chapter, student)
-        released = {_nbgrader(cell).get("grade_id"): _nbgrader(cell).get("checksum") for cell in
+        released = {nbgrader_of(cell).get("grade_id"): nbgrader_of(cell).get("checksum") for cell in
                     _read(self.path(self.coursedir.release_directory, ".", chapter)).cells}
         notes = []
         for line in _said(records):
@@ -366,7 +369,7 @@ def student_edition(out_dir, source="book", only: Iterable[str] = ()) -> Edition
             released = course.generate(chapter.stem)
             out_dir.mkdir(parents=True, exist_ok=True)
             notebooks.append(_without_raising_stubs(released, out_dir / chapter.name))
-            points = sum(_nbgrader(cell)["points"] for cell in graded)
+            points = sum(nbgrader_of(cell)["points"] for cell in graded)
             table.append(f"| {chapter.stem} | {len(graded)} | {points:g} |\n")
     if not notebooks:
         raise ValueError(f"no chapter in {source} has grading cells yet: no student edition")
@@ -382,7 +385,7 @@ def _without_raising_stubs(released: Path, target: Path) -> Path:
 
     nb = _read(released)
     for cell in nb.cells:
-        meta = _nbgrader(cell)
+        meta = nbgrader_of(cell)
         if meta.get("solution") and not meta.get("grade") and cell.cell_type == "code" \
                 and re.fullmatch(r"ex\d+_solution(_\d+)?", meta.get("grade_id", "")):
             cell.source = cell.source.replace(UNGRADED_STUB[0], UNGRADED_STUB[1])
@@ -432,7 +435,7 @@ def without_answers(folder) -> list[Path]:
 
 def _withheld(cell) -> bool:
     """An answer, code solution, grading cell or written model answer (not a given cell)."""
-    return bool(_nbgrader(cell).get("solution") or _nbgrader(cell).get("grade"))
+    return bool(nbgrader_of(cell).get("solution") or nbgrader_of(cell).get("grade"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,26 +503,26 @@ def _chapter_rubric(nb, chapter: Path) -> str:
     if not graded:
         parts.append("No graded work yet.\n")
     else:
-        points = sum(_nbgrader(cell)["points"] for cell in graded)
+        points = sum(nbgrader_of(cell)["points"] for cell in graded)
         exercises = f"{len(graded)} graded exercise" + "s" * (len(graded) != 1)
         parts.append(f"{exercises}, {points:g} points.\n\n"
                      "| Exercise | Points | Graded by |\n|---|---|---|\n")
         for cell in graded:
-            meta = _nbgrader(cell)
+            meta = nbgrader_of(cell)
             title = _title(_exercise(statements, meta["grade_id"])) or meta["grade_id"]
             parts.append(f"| {title} (`{meta['grade_id']}`) | {meta['points']:g} | "
                          f"{_checker(cell.source)} |\n")
         for cell in graded:
             if hidden := _hidden_tests(cell.source):
-                parts.append(f"\nHidden tests of `{_nbgrader(cell)['grade_id']}`:\n\n"
+                parts.append(f"\nHidden tests of `{nbgrader_of(cell)['grade_id']}`:\n\n"
                              f"```python\n{hidden}\n```\n")
     written = [cell for cell in nb.cells
-               if cell.cell_type == "markdown" and _nbgrader(cell).get("solution")]
+               if cell.cell_type == "markdown" and nbgrader_of(cell).get("solution")]
     if written:
         parts.append("\n### Written answers\n")
     for cell in written:
-        statement = _exercise(statements, _nbgrader(cell)["grade_id"]).strip()
-        parts.append(f"\n{statement or _nbgrader(cell)['grade_id']}\n\nModel answer:\n\n"
+        statement = _exercise(statements, nbgrader_of(cell)["grade_id"]).strip()
+        parts.append(f"\n{statement or nbgrader_of(cell)['grade_id']}\n\nModel answer:\n\n"
                      f"{_model_answer(cell.source)}\n")
     return "".join(parts)
 
@@ -529,7 +532,7 @@ def rubric(chapter_paths: Iterable[Path]) -> str:
     tests, and each written question with its model answer, from the nbgrader metadata."""
     notebooks = {chapter: _read(chapter) for chapter in chapter_paths}
     graded = [cell for nb in notebooks.values() for cell in _graded_cells(nb)]
-    total = sum(_nbgrader(cell)["points"] for cell in graded)
+    total = sum(nbgrader_of(cell)["points"] for cell in graded)
     header = ("# Rubric\n\nGenerated by `python -m gptlab edition instructor` from the nbgrader "
               "metadata of the chapters (docs/COURSE.md). A grading cell earns its points when "
               "its checks pass, hidden tests included: when it raises nothing (what the student's "
@@ -733,7 +736,7 @@ def _flags(nb, source_nb, release_nb) -> list[str]:
     model answer, and a handed-in chapter of the book itself."""
     released = {cell.source for cell in release_nb.cells} | {cell.source for cell in source_nb.cells}
     own = [cell for cell in nb.cells if cell.cell_type == "code"
-           and not _nbgrader(cell).get("locked") and cell.source not in released]
+           and not nbgrader_of(cell).get("locked") and cell.source not in released]
     trees = [tree for tree in map(_code_of, (cell.source for cell in own)) if tree is not None]
     flags = [flag for pattern, flag in SUSPECT.items()
              if any(re.search(pattern, cell.source) for cell in own)]
@@ -746,15 +749,15 @@ def _flags(nb, source_nb, release_nb) -> list[str]:
         flags.append(f"assigns {', '.join(dict.fromkeys(assigned))}")
     given = set()
     for cell in source_nb.cells:
-        if re.fullmatch(r"ex\d+_given(_\d+)?", _nbgrader(cell).get("grade_id", "")):
+        if re.fullmatch(r"ex\d+_given(_\d+)?", nbgrader_of(cell).get("grade_id", "")):
             given |= _top_level_names(_code_of(cell.source) or ast.Module([], []))
     redefined = sorted(given & {name for tree in trees for name in _top_level_names(tree)})
     if redefined:
         flags.append(f"redefines the given {', '.join(redefined)}")
-    answers = {_nbgrader(cell)["grade_id"]: cell.source for cell in source_nb.cells
-               if _nbgrader(cell).get("grade_id", "").endswith("_answer")}
+    answers = {nbgrader_of(cell)["grade_id"]: cell.source for cell in source_nb.cells
+               if nbgrader_of(cell).get("grade_id", "").endswith("_answer")}
     verbatim = [grade_id.removesuffix("_answer") for cell in nb.cells
-                if (grade_id := _nbgrader(cell).get("grade_id", "")) in answers
+                if (grade_id := nbgrader_of(cell).get("grade_id", "")) in answers
                 and _same_code(cell.source, answers[grade_id])]
     if verbatim:
         flags.append(f"the model answer of {', '.join(verbatim)}, as published")
@@ -767,28 +770,29 @@ def _put_back(nb, release_nb) -> list[str]:
     """Put back, in place, what nbgrader needs to grade a submission: the nbgrader metadata of
     an exercise cell that lost it (found by its first line), and every grading and given cell
     the submission lacks (after the exercise cell before it). Return what was put back."""
-    held = {_nbgrader(cell).get("grade_id") for cell in nb.cells} - {None}
+    held = {nbgrader_of(cell).get("grade_id") for cell in nb.cells} - {None}
     metadata, put_back = [], []
     released = [cell for cell in release_nb.cells
-                if cell.cell_type == "code" and _nbgrader(cell).get("grade_id")]
+                if cell.cell_type == "code" and nbgrader_of(cell).get("grade_id")]
     first_lines = {cell.source.split("\n", 1)[0]: cell for cell in released}
     for cell in nb.cells:
         match = first_lines.get(cell.source.split("\n", 1)[0])
-        if cell.cell_type == "code" and not _nbgrader(cell) and match is not None \
-                and _nbgrader(match)["grade_id"] not in held:
-            cell.metadata["nbgrader"] = copy.deepcopy(_nbgrader(match))
-            held.add(_nbgrader(match)["grade_id"])
-            metadata.append(_nbgrader(match)["grade_id"])
+        if cell.cell_type == "code" and not nbgrader_of(cell) and match is not None \
+                and nbgrader_of(match)["grade_id"] not in held:
+            cell.metadata["nbgrader"] = copy.deepcopy(nbgrader_of(match))
+            held.add(nbgrader_of(match)["grade_id"])
+            metadata.append(nbgrader_of(match)["grade_id"])
     for k, cell in enumerate(released):
-        grade_id = _nbgrader(cell)["grade_id"]
-        if grade_id in held or not _nbgrader(cell).get("locked"):
+        grade_id = nbgrader_of(cell)["grade_id"]
+        if grade_id in held or not nbgrader_of(cell).get("locked"):
             continue
-        before = {_nbgrader(c)["grade_id"] for c in released[:k]}
-        at = max((i + 1 for i, c in enumerate(nb.cells) if _nbgrader(c).get("grade_id") in before),
-                 default=0)
+        before = {nbgrader_of(c)["grade_id"] for c in released[:k]}
+        at = max((i + 1 for i, c in enumerate(nb.cells)
+                  if nbgrader_of(c).get("grade_id") in before), default=0)
         nb.cells.insert(at, copy.deepcopy(cell))
         held.add(grade_id)
-        put_back.append(f"{'grading' if _nbgrader(cell).get('grade') else 'given'} cell {grade_id}")
+        kind = "grading" if nbgrader_of(cell).get("grade") else "given"
+        put_back.append(f"{kind} cell {grade_id}")
     if metadata:
         put_back.insert(0, f"the nbgrader metadata of {', '.join(metadata)}")
     return [f"missing, put back: {'; '.join(put_back)}"] if put_back else []
@@ -879,7 +883,7 @@ def grade(submissions, source="book", only: Iterable[str] = (), *,
             source_nb = _read(chapter)
             if not _graded_cells(source_nb):
                 raise ValueError(f"{chapter} has no grading cells: nothing to grade")
-            maximum[chapter.stem] = sum(_nbgrader(c)["points"] for c in _graded_cells(source_nb))
+            maximum[chapter.stem] = sum(nbgrader_of(c)["points"] for c in _graded_cells(source_nb))
             course.add_source(chapter)
             course.generate(chapter.stem)
         prepared = course.root.parent / "prepared"
@@ -940,7 +944,7 @@ def _scores(course: _Course, chapter: Path, student: str) -> list[ExerciseGrade]
     """The gradebook's score of every grading cell of a graded submission, in chapter order."""
     from nbgrader.api import Gradebook
 
-    order = [_nbgrader(cell)["grade_id"] for cell in _graded_cells(_read(chapter))]
+    order = [nbgrader_of(cell)["grade_id"] for cell in _graded_cells(_read(chapter))]
     with Gradebook(course.coursedir.db_url, COURSE_ID) as gradebook:
         grades = {g.name: g for g in gradebook.find_submission_notebook(
             chapter.stem, chapter.stem, student).grades}

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .gptq import gptq_quantize
 from ..model import gpt_forward
+from .gptq import gptq_quantize
 from .rtn import (
     QuantizedTensor,
     array_nbytes,

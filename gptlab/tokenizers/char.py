@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .bpe import ByteBPETokenizer
 from .base import Tokenizer, read_tokenizer_file
+from .bpe import ByteBPETokenizer
 
 
 class CharTokenizer(Tokenizer):

@@ -49,13 +49,13 @@ from pathlib import Path
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load as safetensors_load
-from safetensors.numpy import save as safetensors_bytes
+from safetensors.numpy import save as safetensors_save
 
 from ..backend import convert, to_numpy
 from ..config import GPTConfig
 from ..model import check_params
-from .optim import SGD, AdamW
 from ..tokenizers.char import Tokenizer, load_tokenizer
+from .optim import SGD, AdamW
 
 FORMAT = "gptlab-checkpoint"  # the weight files and state.json of a training run directory
 FORMAT_VERSION = 2  # 2: checksums in state.json and the index, rank/world size/mode in shards
@@ -100,8 +100,9 @@ def _host(arrays: dict) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(to_numpy(x)) for name, x in arrays.items()}
 
 
-def _safetensors_bytes(arrays: dict, metadata: dict[str, str]) -> bytes:
-    return safetensors_bytes(_host(arrays), metadata=metadata)
+def safetensors_bytes(arrays: dict, metadata: dict[str, str]) -> bytes:
+    """The bytes of a safetensors file holding ``arrays`` (NumPy or torch, any device)."""
+    return safetensors_save(_host(arrays), metadata=metadata)
 
 
 def _tensors_sha256(tensors: dict[str, np.ndarray]) -> str:
@@ -148,7 +149,8 @@ def _read_safetensors(data: bytes, name: str) -> tuple[dict, dict[str, np.ndarra
     return header.get("__metadata__") or {}, tensors
 
 
-def _read_bytes(path: Path) -> bytes:
+def read_bytes(path: Path) -> bytes:
+    """The bytes of the file ``path``; FileNotFoundError naming it when it is missing."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     return path.read_bytes()
@@ -252,7 +254,7 @@ def save_checkpoint(target, params: dict, optimizer=None, step: int = 0,
         metadata = {"format": FILE_FORMAT, "gptlab": json.dumps(_json_tuples(header))}
     except TypeError as err:
         raise ValueError(f"the optimizer's state is not JSON-friendly: {err}") from err
-    data = safetensors_bytes(tensors, metadata=metadata)
+    data = safetensors_save(tensors, metadata=metadata)
     if to_path:
         atomic_write(target, data)
     else:
@@ -292,7 +294,7 @@ def _read_source(source) -> tuple[bytes, str]:
         if path.is_dir():
             raise IsADirectoryError(f"{path} is a directory: load_run_checkpoint reads a "
                                     "training run directory, load_checkpoint one file")
-        return _read_bytes(path), str(path)
+        return read_bytes(path), str(path)
     name = str(getattr(source, "name", f"<{type(source).__name__}>"))
     if isinstance(source, io.TextIOBase) or not hasattr(source, "read"):
         raise TypeError(f"source must be a path or a file object opened with 'rb', got {name}")
@@ -415,9 +417,9 @@ def save_run_checkpoint(out_dir, *, step: int, params: dict, optimizer, tokenize
     tensor_metadata = {"format": FORMAT, "step": str(step)}
     names, sha256 = write_files(out_dir, {
         "model_file": (f"model-{step:08d}.safetensors",
-                       _safetensors_bytes(params, tensor_metadata)),
+                       safetensors_bytes(params, tensor_metadata)),
         "optimizer_file": (f"optimizer-{step:08d}.safetensors",
-                           _safetensors_bytes(opt_state["state"], tensor_metadata)),
+                           safetensors_bytes(opt_state["state"], tensor_metadata)),
         "tokenizer_file": (TOKENIZER_FILE, tokenizer.to_json().encode("utf-8")),
     })  # fmt: skip
     state = {
@@ -511,7 +513,7 @@ def read_tensors(path: Path, expected: dict[str, str], sha256: str | None,
                  recorded_in: Path) -> dict[str, np.ndarray]:
     """The tensors of a weight file of a run directory, after checking its metadata (format,
     step; a shard's rank, world size, mode: ``expected``) and its sha256 (None: unrecorded)."""
-    data = _read_bytes(path)
+    data = read_bytes(path)
     metadata, tensors = _read_safetensors(data, str(path))
     if any(metadata.get(key) != value for key, value in expected.items()):
         what = ", ".join(f"{key} {value}" for key, value in expected.items() if key != "format")
@@ -536,7 +538,7 @@ def read_run_tokenizer(ckpt_dir, state: dict) -> Tokenizer:
     """The tokenizer that state.json names, after checking it is the one saved with the weights."""
     path = Path(ckpt_dir) / state["tokenizer_file"]
     expected = recorded_sha256(ckpt_dir, state, state["tokenizer_file"])
-    if expected is not None and sha256_of(_read_bytes(path)) != expected:
+    if expected is not None and sha256_of(read_bytes(path)) != expected:
         raise ValueError(f"{path}: not the tokenizer this checkpoint was trained with (its sha256 "
                          f"differs from the one {Path(ckpt_dir) / STATE_FILE} records); put back "
                          "the run's own tokenizer file")

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import convert
+from ..tokenizers.bpe import ByteBPETokenizer
+from ..tokenizers.char import CharTokenizer, Tokenizer, load_tokenizer
 
 EMBEDDED = "<embedded: pydoc_data.topics>"
 
@@ -95,4 +97,16 @@ def get_batch(data_ids: np.ndarray, batch_size: int, block_size: int,
     return convert(x, backend, device=device), convert(y, backend, device=device)
 
 
-__all__ = ["EMBEDDED", "embedded_corpus", "load_text", "split_train_val", "get_batch"]
+def make_tokenizer(cfg, text: str) -> Tokenizer:
+    """The run's tokenizer (``cfg`` its TrainConfig): loaded from ``cfg.tokenizer_path``, or
+    trained on the corpus."""
+    if cfg.tokenizer_path is not None:
+        return load_tokenizer(cfg.tokenizer_path)
+    if cfg.tokenizer == "bpe":  # merges learned from the training part only: no peek at val
+        return ByteBPETokenizer.train(text[: int(len(text) * (1 - cfg.val_fraction))],
+                                     cfg.vocab_size)
+    return CharTokenizer.from_text(text)  # every character, so val never meets an unknown one
+
+
+__all__ = ["EMBEDDED", "embedded_corpus", "load_text", "split_train_val", "get_batch",
+           "make_tokenizer"]

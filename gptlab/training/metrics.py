@@ -23,6 +23,7 @@ from ..backend import array_namespace, asarray_like, to_numpy
 from ..checks import require_float, require_int
 from ..config import GPTConfig
 from ..model import gpt_forward
+from .data import get_batch
 
 
 def perplexity(mean_loss_nats: float) -> float:
@@ -97,6 +98,20 @@ def evaluate_loss(params: dict, cfg: GPTConfig, data_ids, batch_size: int, block
                                                             size=batch_size), block_size)
               for _ in range(n_batches)]  # fmt: skip
     return sum(losses) / n_batches
+
+
+def batch_losses(loss, params: dict, splits: dict, batch_size: int, block_size: int,
+                 n_batches: int, seed: int, backend: str = "numpy", device=None) -> dict:
+    """{"<split>_loss": the mean of ``loss(params, x, y)`` over ``n_batches`` random batches}
+    for each split (name -> ids (N,)), the training loop's evaluation. Split number i (1, 2, ...)
+    draws its batches from the generator seeded [seed, i]: the same batches every time."""
+    row = {}
+    for index, (split, data) in enumerate(splits.items(), start=1):
+        rng = np.random.default_rng([seed, index])
+        losses = [loss(params, *get_batch(data, batch_size, block_size, rng, backend, device))
+                  for _ in range(n_batches)]  # fmt: skip
+        row[f"{split}_loss"] = sum(losses) / len(losses)
+    return row
 
 
 def split_loss(params: dict, cfg: GPTConfig, data_ids, block_size: int,
@@ -184,5 +199,6 @@ def reliability_diagram(bins: CalibrationBins, ax=None):
 
 __all__ = [
     "perplexity", "bits_per_token", "bits_per_character", "evaluate_loss", "split_loss",
+    "batch_losses",
     "CalibrationBins", "expected_calibration_error", "reliability_diagram",
 ]  # fmt: skip

@@ -310,6 +310,15 @@ class TorchSGD(_TorchOptimizer):
         return theta
 
 
-__all__ = ["AdamW", "SGD", "TorchAdamW", "TorchSGD", "adamw_update", "sgd_update",
-           "param_groups",
-           "matrices_only", "matrices_and_positions", "DecayFilter"]
+def make_optimizer(cfg, params: dict):
+    """AdamW or SGD as ``cfg`` (a TrainConfig) asks, decaying the matrices (and wpe if asked)."""
+    decay_filter = matrices_and_positions if cfg.decay_position_embeddings else matrices_only
+    if cfg.optimizer == "adamw":
+        return AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                     weight_decay=cfg.weight_decay, decay_filter=decay_filter)
+    return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+               decay_filter=decay_filter)
+
+
+__all__ = ["AdamW", "SGD", "TorchAdamW", "TorchSGD", "adamw_update", "sgd_update", "make_optimizer",
+           "param_groups", "matrices_only", "matrices_and_positions", "DecayFilter"]

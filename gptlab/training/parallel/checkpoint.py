@@ -36,27 +36,27 @@ import numpy as np
 import torch.distributed as dist
 
 from ...backend import asarray_like, convert, to_numpy
+from ...model import check_params
 from ..checkpoint import (
     FORMAT,
     FORMAT_VERSION,
     STATE_FILE,
     TOKENIZER_FILE,
     RunCheckpoint,
-    _read_bytes,
-    _safetensors_bytes,
     check_moments,
     check_sha256,
     commit_state,
     load_run_checkpoint,
+    read_bytes,
     read_run_tokenizer,
     read_state,
     read_tensors,
     recorded_sha256,
     require_fields,
+    safetensors_bytes,
     state_model_config,
     write_files,
 )
-from ...model import check_params
 from .base import rank_and_world, rows_per_rank
 
 PARAM_PREFIX, OPTIMIZER_PREFIX = "param/", "optimizer/"
@@ -92,7 +92,7 @@ def save_sharded(out_dir, *, step: int, mode, optimizer, tokenizer, model_config
                 "world_size": str(world_size), "mode": type(mode).__name__}
     shard_file = f"shard-{step:08d}-{rank}-of-{world_size}.safetensors"
     names, sha256 = write_files(out_dir, {"shard": (shard_file,
-                                                    _safetensors_bytes(mine, metadata))})
+                                                    safetensors_bytes(mine, metadata))})
     shards = [{"file": names["shard"], "rank": rank, "sha256": sha256[names["shard"]]}]
     if world_size > 1:  # every shard is on disk; rank 0 learns their names and checksums
         gathered = [None] * world_size
@@ -133,7 +133,7 @@ def _read_index(ckpt_dir: Path, state: dict) -> tuple[dict, dict]:
     path = ckpt_dir / state["index_file"]
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (the checkpoint is incomplete)")
-    data = _read_bytes(path)
+    data = read_bytes(path)
     if not data:
         raise ValueError(f"{path}: the file is empty (0 bytes), not a checkpoint index")
     check_sha256(path, data, recorded_sha256(ckpt_dir, state, state["index_file"]),
