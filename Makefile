@@ -30,7 +30,7 @@ book: $(STAMP)
 book-student: $(STAMP)
 	rm -rf build/book-student && mkdir -p build/book-student
 	cp -r _config.yml _toc.yml references.bib _vendor book tools benchmarks build/book-student/
-	$(VENV)/bin/python -c "from gptlab.course import without_answers; without_answers('build/book-student/book')"
+	$(VENV)/bin/python -c "from gptlab.course.editions import without_answers; without_answers('build/book-student/book')"
 	$(VENV)/bin/jupyter-book build build/book-student -W -n --keep-going
 	@echo "Student book built: open file://$(CURDIR)/build/book-student/_build/html/index.html"
 

@@ -16,13 +16,13 @@ batch and tokens, so the same student compute; only the loss differs. The distil
 also run the teacher's forward on every batch (about 1.5 times the student's own step here):
 compute for the teacher is not counted, as in Hinton et al.
 
-- labels only: ``gptlab.train`` (cross-entropy with the next character);
-- distilled: ``gptlab.distill`` with alpha tau^2 KL(teacher || student) + (1 - alpha) CE at
+- labels only: ``gptlab.training.train`` (cross-entropy with the next character);
+- distilled: ``gptlab.alignment.distill`` with alpha tau^2 KL(teacher || student) + (1 - alpha) CE at
   the (tau, alpha) settings of ``--settings``.
 
 Scores: the final student's cross-entropy on the whole validation split
-(``gptlab.metrics.split_loss``), and its agreement with the teacher on the first 256 windows
-of that split (``gptlab.distill.agreement``: top-1 match and KL(teacher || student) at
+(``gptlab.training.metrics.split_loss``), and its agreement with the teacher on the first 256 windows
+of that split (``gptlab.alignment.distill.agreement``: top-1 match and KL(teacher || student) at
 temperature 1, 16,384 predictions); mean,
 standard deviation and range over the seeds, and the paired difference to the labels-only
 student of the same seed. Writes ``benchmarks/results/distill.json`` and ``.md``.
@@ -44,11 +44,12 @@ import torch
 
 from machine import machine_info, report  # benchmarks/machine.py (the script's own folder)
 from gptlab.backend import to_numpy
-from gptlab.data import load_text, split_train_val
-from gptlab.distill import agreement, distill
-from gptlab.metrics import split_loss
+from gptlab.training.data import load_text, split_train_val
+from gptlab.alignment.distill import agreement, distill
+from gptlab.training.metrics import split_loss
 from gptlab.model import count_params
-from gptlab.train import TrainConfig, train
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
 TEACHER = dict(lr_decay_iters=500, eval_iters=10, dtype="float64", checkpoint_interval=0,

@@ -5,7 +5,7 @@
 Every rank trains the same character-sized GPT (4 layers, width 128, 4 heads, context 64,
 vocabulary 65: 0.8 M parameters) with the hand-written backward on one torch thread, on its own
 batch of ``--batch`` sequences (the global batch grows with the ranks, as data-parallel training
-is scaled). Modes: ``ddp``, ``zero1``, ``zero2``, ``zero3`` (``gptlab.parallel``) and torch's own
+is scaled). Modes: ``ddp``, ``zero1``, ``zero2``, ``zero3`` (``gptlab.training.parallel``) and torch's own
 FSDP2 (``torch.distributed.fsdp.fully_shard``) on the same model through the autograd wrapper
 ``gptlab.autograd.GPT`` with torch's AdamW, as a yardstick. The wrapper runs the whole model as
 one autograd Function, so FSDP2 can only shard it as one unit: it gathers all the parameters
@@ -47,11 +47,11 @@ sys.path.insert(0, str(ROOT))
 
 from gptlab.config import GPTConfig  # noqa: E402
 from gptlab.model import count_params, init_params  # noqa: E402
-from gptlab.optim import AdamW  # noqa: E402
-from gptlab.parallel import mode_class  # noqa: E402
-from gptlab.parallel.base import Single, clipped_grads, micro_batches, tensor_bytes  # noqa: E402
-from gptlab.parallel.launch import launch  # noqa: E402
-from gptlab.scaling import zero_memory_per_rank  # noqa: E402
+from gptlab.training.optim import AdamW  # noqa: E402
+from gptlab.training.parallel import mode_class  # noqa: E402
+from gptlab.training.parallel.base import Single, clipped_grads, micro_batches, tensor_bytes  # noqa: E402
+from gptlab.training.parallel.launch import launch  # noqa: E402
+from gptlab.training.scaling import zero_memory_per_rank  # noqa: E402
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}  # fsdp2 shards as stage 3

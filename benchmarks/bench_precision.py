@@ -15,7 +15,7 @@ Three parts, all on the CPU:
    matmul rate per dtype (a square ``mm`` of ``--peak-n``, ``bench_step.matmul_peak``).
 2. The recipe's loss curve: nanoGPT's CPU recipe (``bench_shakespeare.recipe``: 4 layers,
    width 128, T 64, B 12, lr 1e-3, no biases, exact GELU) trained ``--iters`` updates with
-   ``gptlab.train.train`` on the embedded corpus, 1 thread, seed 1337, in each precision: the
+   ``gptlab.training.train.train`` on the embedded corpus, 1 thread, seed 1337, in each precision: the
    validation loss every ``--iters // 5`` updates (10 batches, float32 forward on the master
    weights), the final weights' loss on the whole validation split, float16's skipped steps and
    its final loss scale, and the CPU and wall time of each run; ``--run-rounds`` rounds of the
@@ -46,10 +46,10 @@ from bench_memory import paired_times, peak_bytes  # benchmarks/bench_memory.py
 from bench_shakespeare import recipe, validation_ids
 from bench_step import SIZES, matmul_peak, model_flops, ratio_quartiles, size_inputs, spread
 from machine import machine_info, report  # benchmarks/machine.py (the script's own folder)
-from gptlab.checkpoint import read_state
+from gptlab.training.checkpoint import read_state
 from gptlab.fast import PRECISIONS, FastStep, fast_loss_and_grads
-from gptlab.metrics import split_loss
-from gptlab.train import train
+from gptlab.training.metrics import split_loss
+from gptlab.training.train import train
 
 BASELINE = "float32"
 SEED = 1337
@@ -252,7 +252,7 @@ def markdown(res: dict) -> str:
         f"{st['n_embd']}, T {st['block_size']}, B {st['batch_size']}, lr {st['lr']} with "
         f"{st['warmup_iters']} warmup updates and a cosine to {st['min_lr']} at "
         f"{st['lr_decay_iters']}, seed {st['seed']}, {st['threads']} thread) trained with "
-        "`gptlab.train.train` on the embedded corpus in each precision. Validation loss: "
+        "`gptlab.training.train.train` on the embedded corpus in each precision. Validation loss: "
         f"{st['eval_iters']} batches at each evaluation (float32 forward on the master weights), "
         "and the final weights on the whole validation split. CPU time of the whole run "
         f"(evaluations included); {rec['rounds']} round(s) of the three runs interleaved, the "

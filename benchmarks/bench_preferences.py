@@ -2,7 +2,7 @@
 
     python benchmarks/bench_preferences.py [--seeds 0 1] [--ppo-betas 0.02 0.1] [--dpo-betas 0.1 0.5]
 
-For every seed, with ``gptlab.rlhf`` (NumPy, float64, the hand-written backward, one thread):
+For every seed, with ``gptlab.alignment.rlhf`` (NumPy, float64, the hand-written backward, one thread):
 
 1. a char-level policy (2 layers, 2 heads, width 32, context 24) pretrained on the embedded
    corpus (``--pretrain`` updates); it is also the frozen reference;
@@ -34,8 +34,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from machine import machine_info, report  # noqa: E402  benchmarks/machine.py
-from gptlab import rlhf  # noqa: E402
-from gptlab.data import embedded_corpus  # noqa: E402
+from gptlab.alignment import rlhf  # noqa: E402
+from gptlab.training.data import embedded_corpus  # noqa: E402
 
 
 def _eval_row(eval_result: dict, samples: int) -> dict:

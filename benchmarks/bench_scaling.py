@@ -3,14 +3,14 @@
     python benchmarks/bench_scaling.py [--iters 400] [--seeds 1337 1] [--jobs 2] [--data PATH]
 
 Six character-level GPT-2 models (``SIZES``: 1 to 6 blocks, width 16 to 128, head size 16,
-context 64) are trained by ``gptlab.train`` with the hand-written backward (``backend="torch"``,
+context 64) are trained by ``gptlab.training.train`` with the hand-written backward (``backend="torch"``,
 float32, one thread per process) on the same token budget: ``--iters`` updates of 12 sequences
 of 64 characters (400 x 768 = 307,200 tokens, under one pass over the embedded corpus's
 training part), TrainConfig's recipe otherwise (AdamW, lr 3e-3, cosine to 3e-4 after 20 warmup
 updates, weight decay 0.1, clipping at 1.0). Each final model is scored on the whole validation
-split (``gptlab.metrics.split_loss``: every token of the last 10% predicted once).
+split (``gptlab.training.metrics.split_loss``: every token of the last 10% predicted once).
 
-Then ``gptlab.scaling.fit_power_law`` fits L(N) = (N_c / N)^alpha to the mean loss over seeds
+Then ``gptlab.training.scaling.fit_power_law`` fits L(N) = (N_c / N)^alpha to the mean loss over seeds
 against the non-embedding parameters N (Kaplan et al. 2020 find alpha_N = 0.076 for models
 trained to convergence on WebText2 tokens), and the same with an irreducible term E; and the
 training compute 6 N D of each run is set beside Chinchilla's compute-optimal split (Hoffmann et
@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from machine import machine_info, report  # benchmarks/machine.py (the script's own folder)
-from gptlab.data import load_text, split_train_val
-from gptlab.metrics import split_loss
+from gptlab.training.data import load_text, split_train_val
+from gptlab.training.metrics import split_loss
 from gptlab.model import count_params
-from gptlab.scaling import (
+from gptlab.training.scaling import (
     GPT3_TRAIN_TOKENS,
     KAPLAN_ALPHA_N,
     architecture_params,
@@ -44,7 +44,8 @@ from gptlab.scaling import (
     non_embedding_params,
     training_flops,
 )
-from gptlab.train import TrainConfig, train
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 SIZES = ((1, 1, 16), (2, 2, 32), (2, 3, 48), (3, 4, 64), (4, 6, 96), (6, 8, 128))  # L, NH, C
 BLOCK_SIZE, BATCH_SIZE = 64, 12

@@ -23,14 +23,14 @@ checkpoint at every evaluation to score the final weights), as one more job besi
 runs once; its CPU time is compared with the mean per seed of gptlab's runs.
 
 The two runs of a seed go side by side: each trains in chunks of ``--chunk`` updates, resuming
-from its checkpoint (resume is exact in ``gptlab.train``: optimizer moments, batch RNG and
+from its checkpoint (resume is exact in ``gptlab.training.train``: optimizer moments, batch RNG and
 schedule are restored), and the chunks alternate between the backends, so a change of machine
 load during the run falls on both. Wall time and CPU time (this process, all threads) of every
 chunk are summed; they include the evaluations at every chunk boundary (``--eval-iters`` fixed
 batches per split). ``--jobs`` seeds train at once, one process each.
 
 Every final model is scored twice on the validation split (the last 10% of the text):
-- the whole split (``gptlab.metrics.split_loss``): every token of its 64-character windows
+- the whole split (``gptlab.training.metrics.split_loss``): every token of its 64-character windows
   predicted once, no sampling noise; this is the figure the verdict uses;
 - nanoGPT's estimator, the mean over 20 random batches of 12 x 64 characters, drawn
   ``--draws`` times with different seeds: how far one such estimate strays from the whole split.
@@ -61,11 +61,12 @@ import torch
 
 from machine import machine_info, report  # benchmarks/machine.py (the script's own folder)
 from gptlab.config import GPTConfig
-from gptlab.data import load_text, split_train_val
-from gptlab.metrics import evaluate_loss, split_loss
+from gptlab.training.data import load_text, split_train_val
+from gptlab.training.metrics import evaluate_loss, split_loss
 from gptlab.model import count_params
-from gptlab.tokenizer import CharTokenizer
-from gptlab.train import TrainConfig, train
+from gptlab.tokenizers.char import CharTokenizer
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"

@@ -3,7 +3,7 @@
     python benchmarks/bench_variants.py [--iters 250] [--seeds 1337 1] [--data PATH]
 
 Four character-level models of 4 layers, 4 heads, width 64 and context 64, trained for the
-same number of updates on the same batches (the seed fixes the batch order) by ``gptlab.train``
+same number of updates on the same batches (the seed fixes the batch order) by ``gptlab.training.train``
 with the hand-written backward (``backend="torch"``, one thread):
 
 - GPT-2 block: LayerNorm, GELU MLP of width 4C, learned positions, head tied to wte, biases.
@@ -31,14 +31,14 @@ the tensors; and the activations a training step keeps for the backward (every t
 forward's cache that is not a parameter, each storage once) for one batch. The transient peak
 inside the backward is not measured.
 
-Scores: every final model on the whole validation split (``gptlab.metrics.split_loss``: the
+Scores: every final model on the whole validation split (``gptlab.training.metrics.split_loss``: the
 last 10% of the text, every token predicted once), cross-entropy only (a mixture's
 load-balancing term is left out of the score). Then the trained GPT-2 model of the first seed
 is quantized, its block matrices only (embeddings, biases and norms stay float32): 8, 4 and 3
 bits, one scale per output channel or per group of 32 inputs, round to nearest or GPTQ
 (calibrated on ``--calib`` training windows), each scored on the same split.
 
-The default corpus is the embedded one (``gptlab.data``), so the script runs from a fresh clone;
+The default corpus is the embedded one (``gptlab.training.data``), so the script runs from a fresh clone;
 ``--data`` trains on a text file instead. Writes ``benchmarks/results/variants.json`` and ``.md``.
 """
 
@@ -58,14 +58,15 @@ import numpy as np
 import torch
 
 from machine import machine_info, report  # benchmarks/machine.py (the script's own folder)
-from gptlab.checkpoint import load_run_checkpoint
-from gptlab.data import get_batch, load_text, split_train_val
-from gptlab.metrics import perplexity, split_loss
+from gptlab.training.checkpoint import load_run_checkpoint
+from gptlab.training.data import get_batch, load_text, split_train_val
+from gptlab.training.metrics import perplexity, split_loss
 from gptlab.model import count_params, gpt_backward, gpt_forward, param_shapes
-from gptlab.optim import AdamW
-from gptlab.quant_model import gptq_quantize_params, quantize_params
-from gptlab.tokenizer import CharTokenizer
-from gptlab.train import TrainConfig, train
+from gptlab.training.optim import AdamW
+from gptlab.quant.model import gptq_quantize_params, quantize_params
+from gptlab.tokenizers.char import CharTokenizer
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
 N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE, BATCH_SIZE = 4, 4, 64, 64, 12

@@ -4,13 +4,15 @@ The names most readers need are here; each lives in its own module:
 
 - the model (``gptlab.model``): ``GPTConfig``, ``init_params``, ``gpt_forward``, ``gpt_backward``;
 - gradient checking (``gptlab.gradcheck``): ``check_layer``, ``check_model``;
-- generation (``gptlab.sample``): ``generate``;
+- generation (``gptlab.training.sample``): ``generate``;
 - Hugging Face interop (``gptlab.interop``): ``from_hf``, ``to_hf`` (GPT-2) and
   ``from_hf_llama``, ``to_hf_llama`` (LLaMA-style configs);
-- the package's own code, for the chapters (``gptlab.source``): ``show_source``.
+- the package's own code, for the chapters (``gptlab.course.source``): ``show_source``.
 
-The layers are in ``gptlab.layers``, torch integration in ``gptlab.autograd``, training in
-``gptlab.train``.
+The rest is in rooms by concern (a picture with the arrows allowed between them: the section
+"Rooms" of docs/CONVENTIONS.md): ``layers/``, ``kernels/``, ``tokenizers/``, ``training/``
+(with ``parallel/``), ``quant/``, ``alignment/``, ``data_pipeline/``, ``course/``; torch
+integration is ``gptlab.autograd``, the fused path ``gptlab.fast``.
 """
 
 import importlib
@@ -23,8 +25,8 @@ _HOMES = {
     "from_hf": "interop", "from_hf_llama": "interop", "to_hf": "interop", "to_hf_llama": "interop",
     "count_params": "model", "gpt_backward": "model", "gpt_forward": "model",
     "init_params": "model", "loss_and_grads": "model", "param_shapes": "model",
-    "generate": "sample",
-    "show_source": "source",
+    "generate": "training.sample",
+    "show_source": "course.source",
 }  # fmt: skip
 
 

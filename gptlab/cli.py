@@ -1,7 +1,7 @@
 """Command line: ``python -m gptlab train [--option value ...]``, ``python -m gptlab sample``,
 ``python -m gptlab data FILE... --out FILE`` (the data pipeline, gptlab.data_pipeline), and for a
-course (gptlab.course, docs/COURSE.md) ``python -m gptlab edition {student,instructor} DIR`` and
-``python -m gptlab grade SUBMISSIONS_DIR``.
+course (gptlab.course.editions, docs/COURSE.md) ``python -m gptlab edition {student,instructor}
+DIR`` and ``python -m gptlab grade SUBMISSIONS_DIR``.
 
 The ``train`` options are generated from the fields of ``TrainConfig``: one ``--field-name`` per
 field (``--field_name`` works too, unlisted), typed from its annotation, with the field's own
@@ -10,7 +10,7 @@ says under which heading ``--help`` lists it.
 
 Bad options are refused before any work starts: one line, exit code 2. torch is imported only by
 the commands that compute (``--help`` and the other commands' option errors take no time), and
-``train``'s options, generated from TrainConfig, load gptlab.train only for ``train``.
+``train``'s options, generated from TrainConfig, load gptlab.training.train only for ``train``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import typing
 from dataclasses import Field, fields
 from pathlib import Path
 
-from .course import CELL_TIMEOUT, CourseError, grade, instructor_edition, student_edition
+from .course.editions import CELL_TIMEOUT, CourseError, grade, instructor_edition, student_edition
 
 TRAIN_GROUPS = {
     "model": ("n_layer", "n_head", "n_embd", "block_size", "gelu", "bias", "dropout", "position",
@@ -89,12 +89,12 @@ def _add_field(group, field: Field, annotation) -> None:
 
 
 def _add_train_command(commands, options: bool = True) -> None:
-    """The ``train`` command; ``options=False`` leaves out its options (and gptlab.train, which
-    imports torch) where another command is parsed."""
+    """The ``train`` command; ``options=False`` leaves out its options (and gptlab.training.train,
+    which imports torch) where another command is parsed."""
     if not options:
         commands.add_parser("train", help="train (or --resume) a model")
         return
-    from .train import TrainConfig
+    from .training.config import TrainConfig
 
     parser = commands.add_parser(
         "train", help="train (or --resume) a model", description=TrainConfig.__doc__,
@@ -246,7 +246,7 @@ class NotGiven(int):
 def config_from_args(args: argparse.Namespace):
     """The TrainConfig that parsed ``train`` arguments describe. Without --warmup-iters, the
     default warmup (20) is shortened to fit a cosine that ends sooner."""
-    from .train import TrainConfig
+    from .training.config import TrainConfig
 
     values = {field.name: getattr(args, field.name) for field in fields(TrainConfig)}
     warmup = values["warmup_iters"]
@@ -256,8 +256,8 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from .parallel.launch import LaunchFailed
-    from .train import TrainingDiverged, train
+    from .training.parallel.launch import LaunchFailed
+    from .training.train import TrainingDiverged, train
 
     try:
         result = train(config_from_args(args), progress=not args.quiet, overwrite=args.overwrite)
@@ -298,8 +298,8 @@ class TextStream:
 
 def run_sample(args: argparse.Namespace) -> int:
     from .config import check_device
-    from .parallel.checkpoint import load_run
-    from .sample import _check_sampling, generate
+    from .training.parallel.checkpoint import load_run
+    from .training.sample import _check_sampling, generate
 
     _check_sampling(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 0:

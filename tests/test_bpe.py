@@ -1,4 +1,4 @@
-"""Byte-level BPE (gptlab.bpe): the pieces by hand, agreement with Hugging Face ``tokenizers``
+"""Byte-level BPE (gptlab.tokenizers.bpe): the pieces by hand, agreement with Hugging Face ``tokenizers``
 (same merges in the same order, same vocabulary, same ids), an oracle that recounts every pair
 after every merge, round trips of arbitrary Unicode text, special tokens, save/load and errors.
 """
@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from gptlab.bpe import (BYTE_TO_CHAR, ENDOFTEXT, GPT2_PATTERN, ByteBPETokenizer, count_pairs,
+from gptlab.tokenizers.bpe import (BYTE_TO_CHAR, ENDOFTEXT, GPT2_PATTERN, ByteBPETokenizer, count_pairs,
                         count_words, merge_pair)
-from gptlab.data import embedded_corpus
-from gptlab.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, tokenizer_types
+from gptlab.training.data import embedded_corpus
+from gptlab.tokenizers.char import CharTokenizer, Tokenizer, load_tokenizer, tokenizer_types
 
 CORPUS = embedded_corpus()
 TRAIN, HELD_OUT = CORPUS[:100_000], CORPUS[100_000:130_000]

@@ -16,11 +16,11 @@ from conftest import requires_cuda
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-import gptlab.checkpoint as ckpt_module
+import gptlab.training.checkpoint as ckpt_module
 from gptlab import GPTConfig, init_params, param_shapes
 from gptlab.autograd import GPT
 from gptlab.backend import convert, to_numpy
-from gptlab.checkpoint import (
+from gptlab.training.checkpoint import (
     STATE_FILE,
     atomic_write,
     load_checkpoint,
@@ -28,8 +28,8 @@ from gptlab.checkpoint import (
     save_checkpoint,
     save_run_checkpoint,
 )
-from gptlab.optim import SGD, AdamW, TorchAdamW, TorchSGD, param_groups
-from gptlab.tokenizer import CharTokenizer
+from gptlab.training.optim import SGD, AdamW, TorchAdamW, TorchSGD, param_groups
+from gptlab.tokenizers.char import CharTokenizer
 
 CFG = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=5, block_size=4)
 TOKENIZER = CharTokenizer.from_text("abcde")
@@ -226,7 +226,7 @@ def test_file_round_trip_with_a_functional_optimizer(tmp_path, to, backend, opt_
     save_checkpoint(target, params, opt, step=3, config=CFG)
     ckpt = load_checkpoint(_rewind(target), backend=backend)
     assert ckpt.step == 3 and ckpt.config == CFG
-    assert ckpt.optimizer_kind == f"gptlab.optim.{opt_class.__name__}"
+    assert ckpt.optimizer_kind == f"gptlab.training.optim.{opt_class.__name__}"
     assert list(ckpt.params) == list(params)
     assert type(ckpt.params["wte.weight"]) is type(params["wte.weight"])
     _assert_same(ckpt.params, params)
@@ -418,10 +418,10 @@ def test_optimizer_kind_mismatch(tmp_path):
     path, _ = _saved(tmp_path)  # AdamW state
     ckpt = load_checkpoint(path)
     with pytest.raises(ValueError, match=f"{re.escape(str(path))}: optimizer kind mismatch: "
-                                         "the checkpoint holds the state of gptlab.optim.AdamW, "
-                                         "not of gptlab.optim.SGD"):
+                                         "the checkpoint holds the state of gptlab.training.optim.AdamW, "
+                                         "not of gptlab.training.optim.SGD"):
         ckpt.restore_optimizer(SGD(ckpt.params))
-    with pytest.raises(ValueError, match="not of gptlab.optim.TorchAdamW"):
+    with pytest.raises(ValueError, match="not of gptlab.training.optim.TorchAdamW"):
         ckpt.restore_optimizer(TorchAdamW([torch.zeros(3, requires_grad=True)]))
     fewer = {n: x for n, x in ckpt.params.items() if n != "wpe.weight"}
     with pytest.raises(ValueError, match=f"{re.escape(str(path))}: optimizer state does not "

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-import gptlab.train
+import gptlab.training.train
 from gptlab.cli import TRAIN_GROUPS, build_parser, config_from_args, main
 from gptlab.config import GPTConfig
-from gptlab.data import embedded_corpus
+from gptlab.training.data import embedded_corpus
 from gptlab.layers.gelu import gelu_forward
-from gptlab.train import TrainConfig
+from gptlab.training.config import TrainConfig
 from test_train import _cli_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,13 +201,13 @@ def test_bad_configs_are_refused(values, message):
 def test_threads_applies_during_the_run_only(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(embedded_corpus()[:5_000], encoding="utf-8")
-    loss_and_grads, seen = gptlab.train.loss_and_grads, []
+    loss_and_grads, seen = gptlab.training.train.loss_and_grads, []
 
     def recording_loss_and_grads(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return loss_and_grads(*args, **kwargs)
 
-    monkeypatch.setattr(gptlab.train, "loss_and_grads", recording_loss_and_grads)
+    monkeypatch.setattr(gptlab.training.train, "loss_and_grads", recording_loss_and_grads)
     original = torch.get_num_threads()
     torch.set_num_threads(2)  # not the run's count, so that its return shows
     try:

@@ -1,4 +1,4 @@
-"""gptlab.course end to end: nbgrader's student edition of a chapter withholds the solutions and
+"""gptlab.course.editions end to end: nbgrader's student edition of a chapter withholds the solutions and
 the hidden tests, and the autograder scores the untouched student edition 0, the instructor
 source full marks, and a source with one planted mistake all but that exercise's points.
 
@@ -15,7 +15,7 @@ import nbformat
 import psutil
 import pytest
 
-from gptlab import course
+from gptlab.course import editions as course
 from gptlab.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,10 +100,10 @@ GRAD = "dx, dw = torch.autograd.grad(y, (x, wt), torch.tensor(dy))"
 # Cheats planted in the answer cells (issue 24): student -> (ex1 answer, ex2 answer, the flags
 # it must raise). Each must score 0 on the exercise it cheats and be flagged.
 CHEATS = {
-    "patch-grading": ("import gptlab.grading as g\n"
+    "patch-grading": ("import gptlab.course.grading as g\n"
                       "g._backward_case = lambda *a, **k: 'rel. error < 1e-7'\n"
                       "g._compare = lambda *a, **k: None\n" + ZERO_EX1, ZERO_EX2,
-                      ["imports gptlab.grading", "assigns g._backward_case, g._compare"]),
+                      ["imports gptlab.course.grading", "assigns g._backward_case, g._compare"]),
     "patch-norm": ("np.linalg.norm = lambda *a, **k: 0.0\nnp.allclose = lambda *a, **k: True\n"
                    + ZERO_EX1, ZERO_EX2, ["assigns np.linalg.norm, np.allclose"]),
     "thread": (TORCH_EX1.format(grad="import threading\n    out = []\n    thread = threading."

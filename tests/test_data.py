@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptlab.data import embedded_corpus, get_batch, load_text, split_train_val
-from gptlab.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, tokenizer_from_dict
+from gptlab.training.data import embedded_corpus, get_batch, load_text, split_train_val
+from gptlab.tokenizers.char import CharTokenizer, Tokenizer, load_tokenizer, tokenizer_from_dict
 
 
 def test_embedded_corpus_is_python_reference_text():

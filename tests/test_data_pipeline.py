@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import get_backend, to_host
-from gptlab.bpe import ENDOFTEXT, ByteBPETokenizer
+from gptlab.tokenizers.bpe import ENDOFTEXT, ByteBPETokenizer
 from gptlab.data_pipeline import (
     GPT3_MIXTURE,
     GPT3_TRAINING_TOKENS,
@@ -62,7 +62,7 @@ from gptlab.data_pipeline import (
 )
 from gptlab.gradcheck import check_layer
 from gptlab.layers.sdpa import sdpa_forward
-from gptlab.tokenizer import CharTokenizer
+from gptlab.tokenizers.char import CharTokenizer
 
 Z = 5.0  # binomial bounds at five standard deviations: a correct formula fails ~1 in 10^6
 

@@ -1,5 +1,5 @@
 """Knowledge distillation (issue 15): the loss's properties and errors, an independent torch
-formulation, the high-temperature limit, and the training loop ``gptlab.distill``. The gradient
+formulation, the high-temperature limit, and the training loop ``gptlab.alignment.distill``. The gradient
 checks of the loss are rows of the CASES table in test_layers.py."""
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 
 from conftest import to_host
 from gptlab.backend import convert
-from gptlab.data import embedded_corpus
-from gptlab.distill import agreement, distill
+from gptlab.training.data import embedded_corpus
+from gptlab.alignment.distill import agreement, distill
 from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gptlab.layers.distillation import distillation_backward, distillation_forward
-from gptlab.tokenizer import CharTokenizer
-from gptlab.train import TrainConfig, train
+from gptlab.tokenizers.char import CharTokenizer
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 B, T, V = 2, 3, 5
 

@@ -11,7 +11,8 @@ import torch
 from gptlab import GPTConfig, init_params
 from gptlab.fast import FastStep, LossScaler, fast_loss_and_grads, new_grad_buffers
 from gptlab.model import cache_bytes, gpt_backward, gpt_forward, loss_and_grads
-from gptlab.train import TrainConfig, train
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 TINY = dict(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=8)
 SWITCHES = list(itertools.product((True, False), ("tanh", "erf"), ("sdpa", "flash"),

@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 from test_checkpoint import killed_at_state_json
 
-import gptlab.checkpoint as ckpt_module
-from gptlab.checkpoint import STATE_FILE
+import gptlab.training.checkpoint as ckpt_module
+from gptlab.training.checkpoint import STATE_FILE
 from gptlab.cli import main
-from gptlab.data import embedded_corpus
-from gptlab.parallel.checkpoint import load_run
-from gptlab.tokenizer import CharTokenizer, load_tokenizer
+from gptlab.training.data import embedded_corpus
+from gptlab.training.parallel.checkpoint import load_run
+from gptlab.tokenizers.char import CharTokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer=1", "--n-head=2", "--n-embd=16", "--block-size=8", "--batch-size=4",

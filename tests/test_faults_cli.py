@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import gptlab.train
-from gptlab.bpe import ByteBPETokenizer
+import gptlab.training.train
+from gptlab.tokenizers.bpe import ByteBPETokenizer
 from gptlab.cli import TextStream, main
-from gptlab.data import embedded_corpus
+from gptlab.training.data import embedded_corpus
 from test_train import _cli_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ def no_launch(monkeypatch):
     def launch(*args, **kwargs):
         raise AssertionError("the ranks were started")
 
-    monkeypatch.setattr(gptlab.train, "launch", launch)
+    monkeypatch.setattr(gptlab.training.train, "launch", launch)
 
 
 def refusal(argv: list[str], capsys) -> str:
@@ -87,9 +87,9 @@ def test_tensor_parallel_takes_a_vocabulary_the_ranks_do_not_divide():
     """Vocabulary 103 on 2 ranks passes the start-up check (it is padded; the equality with
     one process is tests/test_parallel_tensor.py's)."""
     settings = {name: value for name, value in TINY.items() if name != "quiet"}
-    cfg = gptlab.train.TrainConfig(**settings, parallel="tensor", nproc=2)
-    gptlab.train.check_start(cfg, 2)
-    from gptlab.parallel.tensor import check_tensor_config
+    cfg = gptlab.training.config.TrainConfig(**settings, parallel="tensor", nproc=2)
+    gptlab.training.start.check_start(cfg, 2)
+    from gptlab.training.parallel.tensor import check_tensor_config
 
     check_tensor_config(cfg.model_config(vocab_size=103), 2)
 
@@ -207,7 +207,7 @@ def test_data_refuses_a_threshold_outside_0_1(capsys):
 # --- no torch for --help ------------------------------------------------------------------------
 
 PROBE = """import sys
-from gptlab.bpe import ByteBPETokenizer
+from gptlab.tokenizers.bpe import ByteBPETokenizer
 from gptlab.cli import TextStream, main
 try:
     main(sys.argv[1:])
@@ -248,7 +248,7 @@ def _kill(pid: int) -> None:
 
 
 LAUNCH = """import sys
-from gptlab.parallel.launch import LaunchFailed, launch
+from gptlab.training.parallel.launch import LaunchFailed, launch
 from test_faults_cli import _spin_rank
 try:
     launch(_spin_rank, 2, sys.argv[1], heartbeat_s=5.0)

@@ -10,7 +10,7 @@ import pytest
 import gptlab.gradcheck as gradcheck
 from gptlab import GPTConfig, init_params
 from gptlab.backend import convert
-from gptlab.errata import draft_attention_single_backward, dropped_transpose_linear_backward
+from gptlab.course.errata import draft_attention_single_backward, dropped_transpose_linear_backward
 from gptlab.gradcheck import below, check_layer, check_model
 from gptlab.layers.attention_single import (
     attention_single_backward,

@@ -1,11 +1,11 @@
-"""gptlab.grading: the checks behind the graded exercises pass right answers and fail wrong
+"""gptlab.course.grading: the checks behind the graded exercises pass right answers and fail wrong
 ones, and the guard stops the package's own backward and autograd from passing for a student's."""
 
 import numpy as np
 import pytest
 import torch
 
-from gptlab.grading import (GradingError, cases, check_backward, check_function, guard,
+from gptlab.course.grading import (GradingError, cases, check_backward, check_function, guard,
                             package_functions)
 from gptlab.layers.gelu import gelu_forward
 from gptlab.layers.layernorm import layernorm_backward, layernorm_forward
@@ -226,7 +226,7 @@ def _zero_backward(dy, cache):
 @pytest.mark.parametrize("patch", ["grading._backward_case", "grading._compare",
                                    "np.linalg.norm", "np.allclose"])
 def test_patches_of_what_the_checks_use_are_undone(patch, monkeypatch):
-    import gptlab.grading as grading
+    import gptlab.course.grading as grading
 
     owner, name = {"grading": grading, "np.linalg": np.linalg, "np": np}[patch.rsplit(".", 1)[0]], \
         patch.rsplit(".", 1)[1]
@@ -290,11 +290,11 @@ def test_a_float64_output_for_float32_inputs_is_named_as_the_cause():
 
 
 def test_package_functions_split_a_whitelist():
-    import gptlab.data
-    from gptlab.data import get_batch
+    import gptlab.training.data
+    from gptlab.training.data import get_batch
     from gptlab.model import gpt_forward, init_params
 
-    allowed, forbidden = package_functions(allow_modules=[gptlab.data], allow=[init_params])
+    allowed, forbidden = package_functions(allow_modules=[gptlab.training.data], allow=[init_params])
     assert get_batch in allowed and init_params in allowed
     assert gpt_forward in forbidden and layernorm_forward in forbidden
     assert not set(allowed) & set(forbidden)

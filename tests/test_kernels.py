@@ -31,8 +31,8 @@ from gptlab.layers import flash_attention as ref_flash  # noqa: E402
 from gptlab.layers import gelu as ref_gelu  # noqa: E402
 from gptlab.layers import layernorm as ref_layernorm  # noqa: E402
 from gptlab.model import loss_and_grads  # noqa: E402
-from gptlab.optim import adamw_update  # noqa: E402
-from gptlab.train import TrainConfig  # noqa: E402
+from gptlab.training.optim import adamw_update  # noqa: E402
+from gptlab.training.config import TrainConfig  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 

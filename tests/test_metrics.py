@@ -9,7 +9,7 @@ import pytest
 
 from gptlab import GPTConfig, gpt_forward, init_params
 from gptlab.backend import convert
-from gptlab.metrics import (
+from gptlab.training.metrics import (
     bits_per_character,
     bits_per_token,
     evaluate_loss,
@@ -175,7 +175,7 @@ def test_reliability_diagram_draws_with_agg():
 
 def test_split_loss_of_a_model_with_experts_is_its_cross_entropy_alone():
     from gptlab import gpt_forward, init_params
-    from gptlab.metrics import split_loss
+    from gptlab.training.metrics import split_loss
 
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=4, mlp="moe",
                     n_expert=3, aux_loss_weight=0.5)

@@ -14,7 +14,7 @@ from conftest import get_backend
 from gptlab import GPTConfig, init_params, loss_and_grads, param_shapes
 from gptlab.backend import convert, to_numpy
 from gptlab.autograd import GPT
-from gptlab.optim import (
+from gptlab.training.optim import (
     SGD,
     AdamW,
     TorchAdamW,
@@ -23,7 +23,7 @@ from gptlab.optim import (
     matrices_only,
     param_groups,
 )
-from gptlab.schedule import (
+from gptlab.training.schedule import (
     clip_grad_norm,
     clip_grad_norm_,
     cosine_lr,

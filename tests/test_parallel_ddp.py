@@ -11,10 +11,10 @@ import torch
 
 from gptlab.config import GPTConfig
 from gptlab.model import backward_parts, gpt_backward, gpt_forward, init_params
-from gptlab.optim import AdamW
-from gptlab.parallel import mode_class
-from gptlab.parallel.base import Single, clipped_grads
-from gptlab.parallel.launch import launch
+from gptlab.training.optim import AdamW
+from gptlab.training.parallel import mode_class
+from gptlab.training.parallel.base import Single, clipped_grads
+from gptlab.training.parallel.launch import launch
 
 # vocab 13 and block_size 6 do not divide by 2 or 4: the ZeRO shards of wte and wpe are padded.
 # float32 runs without biases: the key bias's gradient is exactly zero in exact arithmetic

@@ -19,13 +19,14 @@ import torch
 
 from gptlab.config import GPTConfig
 from gptlab.model import init_params
-from gptlab.optim import AdamW
-from gptlab.parallel import mode_class
-from gptlab.parallel.base import Single
-from gptlab.parallel.checkpoint import read_sharded, save_sharded, shard_optimizer_state
-from gptlab.parallel.launch import LaunchFailed, launch
-from gptlab.tokenizer import CharTokenizer
-from gptlab.train import TrainConfig, train
+from gptlab.training.optim import AdamW
+from gptlab.training.parallel import mode_class
+from gptlab.training.parallel.base import Single
+from gptlab.training.parallel.checkpoint import read_sharded, save_sharded, shard_optimizer_state
+from gptlab.training.parallel.launch import LaunchFailed, launch
+from gptlab.tokenizers.char import CharTokenizer
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, batch_size=4, lr_schedule="constant",
@@ -54,7 +55,7 @@ def finished(proc, timeout=240):
 
 def final_weights(out_dir) -> dict:
     """The weights of a run directory's last checkpoint, whole, as NumPy."""
-    from gptlab.parallel.checkpoint import load_run
+    from gptlab.training.parallel.checkpoint import load_run
 
     return {n: t.numpy() for n, t in load_run(out_dir, dtype="float64").params.items()}
 
@@ -139,6 +140,22 @@ def test_ranks_with_different_configurations_are_a_clear_error():
     with pytest.raises(LaunchFailed, match="ranks \\[1\\] were started with another "
                                            "configuration than rank 0"):
         launch(_mismatched, 2, timeout_s=30)
+
+
+def _rank_1_sleeps():
+    """Rank 1 never finishes: it sleeps, and rank 0 waits for it in a collective."""
+    if torch.distributed.get_rank() == 1:
+        time.sleep(600)
+    torch.distributed.barrier()
+
+
+def test_a_run_past_its_wall_clock_bound_is_stopped():
+    # the message is the bound's, not the heartbeat's or the collective timeout's (both 300 s)
+    with pytest.raises(LaunchFailed, match="the run took longer than its bound of 8 s, so the "
+                                           "run was stopped"):
+        launch(_rank_1_sleeps, 2, deadline_s=8, timeout_s=300, heartbeat_s=300)
+    with pytest.raises(ValueError, match="deadline_s must be a number of seconds > 0, got 0"):
+        launch(_rank_1_sleeps, 2, deadline_s=0)
 
 
 def test_sharded_checkpoint_round_trip_and_missing_shard(tmp_path):

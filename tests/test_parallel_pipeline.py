@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from gptlab.config import GPTConfig
 from gptlab.model import init_params, loss_and_grads
-from gptlab.parallel.demo import batch
-from gptlab.parallel.pipeline import (
+from gptlab.training.parallel.demo import batch
+from gptlab.training.parallel.pipeline import (
     SCHEDULES,
     PipelineParallel,
     bubble_fraction,

@@ -22,8 +22,8 @@ from gptlab.layers.cross_entropy import cross_entropy_backward, cross_entropy_fo
 from gptlab.layers.embedding import embedding_backward, embedding_forward
 from gptlab.layers.mlp import mlp_backward, mlp_forward
 from gptlab.model import init_params, loss_and_grads
-from gptlab.parallel.demo import batch
-from gptlab.parallel.tensor import (
+from gptlab.training.parallel.demo import batch
+from gptlab.training.parallel.tensor import (
     TensorParallel,
     check_tensor_config,
     f_backward,

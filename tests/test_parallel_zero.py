@@ -10,10 +10,10 @@ from test_parallel_ddp import check_equal_to_one_process, reference, run_cases  
 
 from gptlab.config import GPTConfig
 from gptlab.model import count_params, init_params
-from gptlab.optim import AdamW
-from gptlab.parallel import mode_class
-from gptlab.parallel.launch import launch
-from gptlab.parallel.zero import from_rank_major, rank_major
+from gptlab.training.optim import AdamW
+from gptlab.training.parallel import mode_class
+from gptlab.training.parallel.launch import launch
+from gptlab.training.parallel.zero import from_rank_major, rank_major
 
 CASES = [(mode, dtype, 1) for mode in ("zero1", "zero2", "zero3")
          for dtype in ("float64", "float32")] + [("zero2", "float64", 2), ("zero3", "float64", 2),

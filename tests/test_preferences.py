@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gptlab.autograd as ag
-from gptlab import rlhf
+from gptlab.alignment import rlhf
 from gptlab.gradcheck import check_layer
 from gptlab.layers.bradley_terry import bradley_terry_backward, bradley_terry_forward
 from gptlab.layers.dpo import dpo_backward, dpo_forward

@@ -1,4 +1,4 @@
-"""Weight quantization (gptlab.quant, gptlab.gptq, gptlab.quant_model).
+"""Weight quantization (gptlab.quant.rtn, gptlab.quant.gptq, gptlab.quant.model).
 
 - round to nearest: codes and scales against a column-by-column NumPy reference written from the
   formulas; the error is at most half a step; symmetric codes are in [-qmax, qmax] and odd in w;
@@ -29,11 +29,11 @@ from conftest import get_backend, requires_cuda, to_host
 from gptlab import GPTConfig, gpt_forward, init_params, loss_and_grads
 from gptlab.autograd import as_function
 from gptlab.backend import array_device, convert
-from gptlab.gptq import gptq_quantize
+from gptlab.quant.gptq import gptq_quantize
 from gptlab.layers.gelu import gelu_forward
 from gptlab.layers.attention import multihead_forward
 from gptlab.layers.linear import linear_forward
-from gptlab.quant import (
+from gptlab.quant.rtn import (
     QuantizedTensor,
     code_range,
     dequantize,
@@ -44,7 +44,7 @@ from gptlab.quant import (
     quantized_linear_forward,
     unpack_int4,
 )
-from gptlab.quant_model import (
+from gptlab.quant.model import (
     block_matrix_inputs,
     fake_quant_params_backward,
     fake_quant_params_forward,
@@ -65,7 +65,7 @@ def fast(max_examples: int = 25):
 
 
 def reference_rtn(w_io: np.ndarray, bits: int, scheme: str, group_size: int | None):
-    """The formulas of gptlab/quant.py, one column of one group at a time (float64):
+    """The formulas of gptlab/quant/rtn.py, one column of one group at a time (float64):
     codes (in, out), scale (G, out), zero (G, out)."""
     n_in, n_out = w_io.shape
     gs = n_in if group_size is None else group_size

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gptlab import GPTConfig, gpt_forward
 from gptlab.backend import convert, make_generator, sample_categorical, to_numpy
 from gptlab.model import param_shapes
-from gptlab.sample import KVCache, forward_step, generate, next_token_distribution
+from gptlab.training.sample import KVCache, forward_step, generate, next_token_distribution
 
 BACKENDS = ["numpy", "torch"]
 

@@ -1,4 +1,4 @@
-"""GPT-3's calculator and the scaling-law helpers (gptlab.scaling).
+"""GPT-3's calculator and the scaling-law helpers (gptlab.training.scaling).
 
 - parameters: the closed form equals count_params over many shapes (hypothesis), GPT-2 small's
   published 124,439,808, the eight models of Brown et al. (2020) Table 2.1 within the table's
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from gptlab import GPTConfig
 from gptlab.model import count_params
-from gptlab.scaling import (
+from gptlab.training.scaling import (
     GPT3_MODELS,
     activation_bytes_per_layer,
     architecture_params,

@@ -6,8 +6,8 @@ import pytest
 
 from gptlab import show_source
 from gptlab.layers.layernorm import layernorm_forward
-from gptlab.optim import AdamW
-from gptlab.source import Source
+from gptlab.training.optim import AdamW
+from gptlab.course.source import Source
 
 
 def test_listing_is_the_current_source_without_input_checks():
@@ -30,7 +30,7 @@ def test_checks_true_shows_every_line():
 def test_guards_that_raise_input_errors_are_checks_others_are_not():
     attention = show_source("gptlab.layers.attention.attention_forward")
     assert "raise ValueError" not in attention.code and "if " not in attention.code
-    train_loop = show_source("gptlab.train._train", start_at="while step < cfg.max_iters",
+    train_loop = show_source("gptlab.training.train._train", start_at="while step < cfg.max_iters",
                              end_before="return TrainResult")
     assert "raise TrainingDiverged" in train_loop.code  # a run-time guard, not an input check
     assert train_loop.code.startswith("while step < cfg.max_iters:")  # dedented excerpt
@@ -39,9 +39,9 @@ def test_guards_that_raise_input_errors_are_checks_others_are_not():
 
 def test_methods_by_object_and_dotted_name_agree():
     by_object = show_source(AdamW.step)
-    assert by_object == show_source("gptlab.optim.AdamW.step")
+    assert by_object == show_source("gptlab.training.optim.AdamW.step")
     assert by_object.code.startswith("def step(self")  # dedented out of the class
-    assert by_object.caption.startswith("`AdamW.step` in `gptlab/optim.py`")
+    assert by_object.caption.startswith("`AdamW.step` in `gptlab/training/optim.py`")
 
 
 def test_renders_as_markdown_code_block_and_plain_text():

@@ -8,7 +8,7 @@ import pytest
 from test_bpe import TRAIN
 from test_tokenizer_gpt2_files import TEXTS
 
-from gptlab.bpe import ENDOFTEXT, ByteBPETokenizer, token_bytes, token_string
+from gptlab.tokenizers.bpe import ENDOFTEXT, ByteBPETokenizer, token_bytes, token_string
 
 
 @pytest.fixture(scope="module")

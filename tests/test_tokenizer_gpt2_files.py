@@ -18,8 +18,8 @@ import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gptlab.bpe import BYTE_TO_CHAR, ENDOFTEXT, GPT2_PATTERN, ByteBPETokenizer
-from gptlab.data import embedded_corpus
+from gptlab.tokenizers.bpe import BYTE_TO_CHAR, ENDOFTEXT, GPT2_PATTERN, ByteBPETokenizer
+from gptlab.training.data import embedded_corpus
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -132,7 +132,7 @@ def test_gpt2_id_layout_round_trips_through_hugging_face(ours, tmp_path):
 
 def test_transformers_reads_our_files_and_treats_end_of_text_as_allowed(ours, tmp_path):
     """``transformers`` always turns the string ``<|endoftext|>`` into its id: our encode with
-    ``allowed_special="all"``. Our default keeps it ordinary text (``gptlab.tokenizer_base``)."""
+    ``allowed_special="all"``. Our default keeps it ordinary text (``gptlab.tokenizers.base``)."""
     transformers = pytest.importorskip("transformers")
     gpt2_like = gpt2_layout(ours)
     gpt2_like.save_gpt2_files(tmp_path)
@@ -168,7 +168,7 @@ def test_same_regex_as_hugging_face_on_every_assigned_character():
 
 
 def test_regex_disagrees_only_on_characters_newer_than_pythons_tables():
-    """The documented difference (``gptlab.bpe``): the regex package follows a newer Unicode
+    """The documented difference (``gptlab.tokenizers.bpe``): the regex package follows a newer Unicode
     version than Hugging Face's engine, so characters that Python's tables leave unassigned may
     be letters or digits to one and not to the other. Every disagreement in the first two planes
     is such a character."""

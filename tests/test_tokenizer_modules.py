@@ -1,4 +1,4 @@
-"""The tokenizer modules import downwards only (tokenizer_base <- bpe <- tokenizer: no circle),
+"""The tokenizer modules import downwards only (base <- bpe <- char: no circle),
 the public names stay where the book and training import them, and every kind loads back from
 its file through ``load_tokenizer`` and through its own class."""
 
@@ -10,29 +10,29 @@ from pathlib import Path
 import pytest
 
 import gptlab
-from gptlab.bpe import ByteBPETokenizer
-from gptlab.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, tokenizer_types
-from gptlab.tokenizer_base import Tokenizer as BaseTokenizer
+from gptlab.tokenizers.base import Tokenizer as BaseTokenizer
+from gptlab.tokenizers.bpe import ByteBPETokenizer
+from gptlab.tokenizers.char import CharTokenizer, Tokenizer, load_tokenizer, tokenizer_types
 
-PACKAGE = Path(gptlab.__file__).parent
+ROOM = Path(gptlab.__file__).parent / "tokenizers"
 
 
 def package_imports(module: str) -> set[str]:
-    """The gptlab modules that ``gptlab/<module>.py`` imports, anywhere in the file."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
+    """The modules of the room that ``gptlab/tokenizers/<module>.py`` imports, anywhere in it."""
+    tree = ast.parse((ROOM / f"{module}.py").read_text(encoding="utf-8"))
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 1:
             found.add(node.module)
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gptlab."):
-            found.add(node.module.removeprefix("gptlab."))
+            found.add(node.module)
     return found
 
 
 def test_tokenizer_modules_import_downwards_only():
-    assert package_imports("tokenizer_base") == set()
-    assert package_imports("bpe") == {"tokenizer_base"}
-    assert package_imports("tokenizer") == {"bpe", "tokenizer_base"}
+    assert package_imports("base") == set()
+    assert package_imports("bpe") == {"base"}
+    assert package_imports("char") == {"bpe", "base"}
 
 
 def test_public_names_stay_where_they_were():

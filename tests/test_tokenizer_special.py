@@ -1,4 +1,4 @@
-"""The special-token policy, one for every tokenizer (``gptlab.tokenizer_base``): a special
+"""The special-token policy, one for every tokenizer (``gptlab.tokenizers.base``): a special
 token's string is ordinary text unless named in ``allowed_special`` (one name, a collection, or
 ``"all"``); a name that is not a special token of the tokenizer is a ValueError; ``decode`` turns
 a special id back into its string; ``encode_iterable`` follows the same policy.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from gptlab.bpe import ENDOFTEXT, ByteBPETokenizer
-from gptlab.data import embedded_corpus
-from gptlab.tokenizer import CharTokenizer
+from gptlab.tokenizers.bpe import ENDOFTEXT, ByteBPETokenizer
+from gptlab.training.data import embedded_corpus
+from gptlab.tokenizers.char import CharTokenizer
 
 PAD, END = "<pad>", "<|end"  # "<|end" is also the start of "<|endoftext|>"
 TEXT = f"one{ENDOFTEXT}two{PAD}three{END}four"

@@ -16,9 +16,9 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gptlab.bpe import ENDOFTEXT, GPT2_LOOKAHEAD, GPT2_PATTERN, ByteBPETokenizer
-from gptlab.data import embedded_corpus
-from gptlab.tokenizer import CharTokenizer
+from gptlab.tokenizers.bpe import ENDOFTEXT, GPT2_LOOKAHEAD, GPT2_PATTERN, ByteBPETokenizer
+from gptlab.training.data import embedded_corpus
+from gptlab.tokenizers.char import CharTokenizer
 
 CORPUS = embedded_corpus()
 # "<|end" is a special token and the start of another one: the stream must wait to tell them apart

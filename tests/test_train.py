@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 
 from gptlab.backend import to_numpy
-from gptlab.bpe import ByteBPETokenizer
-from gptlab.checkpoint import STATE_FILE, load_run_checkpoint
+from gptlab.tokenizers.bpe import ByteBPETokenizer
+from gptlab.training.checkpoint import STATE_FILE, load_run_checkpoint
 from gptlab.cli import build_parser
-from gptlab.data import embedded_corpus
-from gptlab.train import TrainConfig, TrainingDiverged, plot_losses, read_log, train
+from gptlab.training.data import embedded_corpus
+from gptlab.training.config import TrainConfig
+from gptlab.training.train import TrainingDiverged, train
+from gptlab.training.log import plot_losses, read_log
 
 matplotlib.use("Agg")
 ROOT = Path(__file__).resolve().parent.parent

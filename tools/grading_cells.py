@@ -15,7 +15,7 @@ edited by hand and never drifts:
   with hidden tests between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS`` -> a locked
   nbgrader grade cell ``exK`` worth P points (it earns them when it raises nothing); tagged
   ``hide-input`` too: the HTML book shows its report, and its code behind a toggle. It imports
-  the checkers it calls (``from gptlab.grading import ...``) itself, so no editable cell can
+  the checkers it calls (``from gptlab.course.grading import ...``) itself, so no editable cell can
   redefine them;
 - code solution: a code cell whose first line is ``# @title Solution to exercise K`` -> a
   solution cell ``exK_solution`` (replaced whole in the student edition);
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import nbformat
 
-from gptlab import course
+from gptlab.course import editions as course
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,13 +51,13 @@ CODE_SOLUTION = re.compile(r"# @title Solution to exercise (\d+)\b")
 GIVEN = re.compile(r"# Given for exercise (\d+)\b")
 # A grading cell imports its checkers itself: a name defined in an editable cell could be redefined.
 CHECKERS = ("cases", "check_backward", "check_function", "guard")
-CHECKER_IMPORT = re.compile(r"^from gptlab\.grading import (.+)$", re.M)
+CHECKER_IMPORT = re.compile(r"^from gptlab\.course\.grading import (.+)$", re.M)
 STATEMENT = re.compile(r"^\*\*(\d+)\.", re.M)  # an exercise statement: "**3. Title.**"
 DOTTED = re.compile(r"^\*\*(Exercise )?\d+\.\d+|^# @title Solution to exercise \d+\.\d", re.M)
 
 
 def chapters() -> list[Path]:
-    """The numbered chapters and the capstone project (gptlab.course's list)."""
+    """The numbered chapters and the capstone project (gptlab.course.editions's list)."""
     return course.chapters(ROOT / "book")
 
 
@@ -125,7 +125,7 @@ def problems(nb) -> list[str]:
             used = {name for name in CHECKERS if re.search(rf"\b{name}\(", source)}
             if used - imported:
                 result.append(f"cell {index}: grading cell for exercise {exercise} does not import "
-                              f"{', '.join(sorted(used - imported))} from gptlab.grading itself")
+                              f"{', '.join(sorted(used - imported))} from gptlab.course.grading itself")
             if points <= 0:
                 result.append(f"cell {index}: grading cell for exercise {exercise} gives no points")
         if kind == "answer" and not all(marker in source for marker in course.SOLUTION):
@@ -148,7 +148,7 @@ def _input_hidden(meta: dict | None) -> bool:
 def stale(nb) -> bool:
     expected = expected_metadata(nb)
     for index, cell in enumerate(nb.cells):
-        if cell.metadata.get("nbgrader") != expected.get(index):
+        if course.nbgrader_of(cell) != expected.get(index, {}):
             return True
         if _input_hidden(expected.get(index)) and "hide-input" not in cell.metadata.get("tags", []):
             return True

@@ -29,7 +29,7 @@ from nbconvert import SlidesExporter
 from pybtex.database import parse_file
 from pybtex.richtext import Text
 
-from gptlab import course
+from gptlab.course import editions as course
 
 ROOT = Path(__file__).resolve().parent.parent
 VENDOR = ROOT / "_vendor"
@@ -89,7 +89,7 @@ class Section:
 
 
 def chapters() -> list[Path]:
-    """The numbered chapters and the capstone project (gptlab.course's list)."""
+    """The numbered chapters and the capstone project (gptlab.course.editions's list)."""
     return course.chapters(ROOT / "book")
 
 

@@ -5,7 +5,8 @@ deduplication, a weighted mixture of sources, and packing into full rows with an
 and an optional document-aware attention mask. Book: chapter 20.
 
 Modules, importing downwards only: ``documents`` <- ``dedup`` <- ``quality`` <- ``pipeline``;
-``packing`` (mixture, tokenization, packing, masks) needs only ``documents``.
+``packing`` (mixture, tokenization, packing, masks) needs only ``documents``. May import:
+``gptlab.training`` (the embedded corpus), ``gptlab.tokenizers`` and the layers below them.
 """
 
 from .dedup import (

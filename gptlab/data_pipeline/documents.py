@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..data import embedded_corpus
+from ..training.data import embedded_corpus
 
 HEADING = re.compile(r"\n(?=[^\n]+\n[*=~-]{3,}\n)")  # a line underlined by *** === ~~~ ---
 
@@ -36,8 +36,9 @@ def normalize(text: str) -> str:
 
 
 def embedded_documents() -> list[str]:
-    """The embedded corpus (``gptlab.data.embedded_corpus``) as documents: each reference topic
-    cut before every underlined heading, so a document is one section of Python's reference."""
+    """The embedded corpus (``gptlab.training.data.embedded_corpus``) as documents: each
+    reference topic cut before every underlined heading, so a document is one section of Python's
+    reference."""
     return [section.strip() for section in HEADING.split(embedded_corpus()) if section.strip()]
 
 

@@ -24,9 +24,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ..backend import array_device, array_namespace
-from ..bpe import ENDOFTEXT
 from ..checks import require_int, require_ndim_at_least
-from ..tokenizer_base import Tokenizer
+from ..tokenizers.base import Tokenizer
+from ..tokenizers.bpe import ENDOFTEXT
 from .documents import require_positive_int
 
 # Brown et al. (2020), Table 2.2: tokens, weight in the training mix, epochs in 300B tokens

@@ -1,7 +1,7 @@
 """AdamW as one Triton kernel: the moments, the decoupled decay and the step of a tensor in one
 pass, and the bfloat16 (or float16) compute copy written in the same pass.
 
-The same update as ``gptlab.optim.adamw_update`` (its test oracle), chapter "Training":
+The same update as ``gptlab.training.optim.adamw_update`` (its test oracle), chapter "Training":
 
     m_t = b1 m + (1 - b1) g,   v_t = b2 v + (1 - b2) g^2
     theta_t = theta (1 - lr wd) - lr (m_t / (1 - b1^t)) / (sqrt(v_t / (1 - b2^t)) + eps)
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..optim import check_adamw_hyperparameters
+from ..checks import check_adamw_hyperparameters
 from .launch import check_tensors
 
 

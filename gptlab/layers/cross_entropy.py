@@ -12,20 +12,13 @@ from __future__ import annotations
 import math
 
 from ..backend import array_namespace, one_hot, take_along_last
-from ..checks import require_float, require_ids_in_range, require_int
+from ..checks import require_logits_and_targets
 
 
 def cross_entropy_forward(logits, targets):
     """logits (..., V), targets (...) integer ids -> (loss (), cache). Mean over positions."""
     xp = array_namespace(logits)
-    require_float("logits", logits)
-    require_int("targets", targets)
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"targets has shape {tuple(targets.shape)} but logits has shape {tuple(logits.shape)}:"
-            " expected targets.shape == logits.shape[:-1]"
-        )
-    require_ids_in_range("targets", targets, logits.shape[-1])
+    require_logits_and_targets(logits, targets)
     shifted = logits - xp.max(logits, axis=-1, keepdims=True)  # (..., V)
     logsumexp = xp.log(xp.sum(xp.exp(shifted), axis=-1))  # (...)
     logprob_target = take_along_last(shifted, targets) - logsumexp  # (...)

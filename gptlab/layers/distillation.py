@@ -33,13 +33,7 @@ from numbers import Real
 from ..backend import array_namespace
 from ..checks import require_float, require_int, require_same_dtype
 from .cross_entropy import cross_entropy_backward, cross_entropy_forward
-
-
-def log_softmax(x):
-    """x (..., V) -> log softmax(x) (..., V), with the max subtracted so that exp stays finite."""
-    xp = array_namespace(x)
-    shifted = x - xp.max(x, axis=-1, keepdims=True)  # (..., V)
-    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))  # (..., V)
+from .softmax import log_softmax
 
 
 def require_distillation_inputs(student_logits, teacher_logits, targets, tau, alpha) -> None:

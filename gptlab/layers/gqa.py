@@ -133,8 +133,8 @@ def gqa_attention_step(x, wq, wk, wv, wo, k_past, v_past, *, n_head: int, n_kv_h
     v_past (B, NKV, Tp, hs) or None -> (y (B, Tn, C), k and v (B, NKV, Tp + Tn, hs)).
 
     New query j sits at position Tp + j and sees the keys <= Tp + j (sdpa's causal alignment to
-    the last keys), as in ``gptlab.sample``. ``rotate``: None or a rotate_forward alone that
-    rotates its rows as positions Tp, ..., Tp + Tn - 1 (the caller binds the offset Tp)."""
+    the last keys), as in ``gptlab.training.sample``. ``rotate``: None or a rotate_forward alone
+    that rotates its rows as positions Tp, ..., Tp + Tn - 1 (the caller binds the offset Tp)."""
     xp = array_namespace(x)
     _check_projections(x, wq, wk, wv, wo, n_head, n_kv_head)
     if len(x.shape) != 3:

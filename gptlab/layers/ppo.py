@@ -2,7 +2,7 @@
 
 Sampled actions (here: tokens) were drawn from the policy with parameters theta_old, whose
 log-probabilities old_logp are kept; advantages A say how much better each action did than
-expected (``gptlab.rlhf.gae``). For the current log-probabilities logp:
+expected (``gptlab.alignment.rlhf.gae``). For the current log-probabilities logp:
 
     ratio = exp(logp - old_logp)                                    (...)
     loss = -mean(min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A))  ()

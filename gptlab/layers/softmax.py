@@ -39,3 +39,10 @@ def softmax_jacobian(p):
     n = p.shape[-1]
     eye = xp.eye(n, dtype=p.dtype, device=array_device(p))  # (n, n)
     return p[..., :, None] * eye - p[..., :, None] * p[..., None, :]  # (..., n, n)
+
+
+def log_softmax(x):
+    """x (..., V) -> log softmax(x) (..., V), with the max subtracted so that exp stays finite."""
+    xp = array_namespace(x)
+    shifted = x - xp.max(x, axis=-1, keepdims=True)  # (..., V)
+    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))  # (..., V)

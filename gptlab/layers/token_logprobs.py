@@ -13,22 +13,17 @@ Book: chapter 22, "Learning from preferences".
 from __future__ import annotations
 
 from ..backend import array_namespace, one_hot, take_along_last
-from ..checks import require_float, require_ids_in_range, require_int
+from ..checks import require_logits_and_targets
+from .softmax import log_softmax
 
 
 def token_logprobs_forward(logits, targets):
     """logits (..., V), targets (...) integer ids -> (logp (...), cache)."""
     xp = array_namespace(logits)
-    require_float("logits", logits)
-    require_int("targets", targets)
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"targets has shape {tuple(targets.shape)} but logits has shape "
-                         f"{tuple(logits.shape)}: expected targets.shape == logits.shape[:-1]")
-    require_ids_in_range("targets", targets, logits.shape[-1])
-    shifted = logits - xp.max(logits, axis=-1, keepdims=True)  # (..., V)
-    logsumexp = xp.log(xp.sum(xp.exp(shifted), axis=-1))  # (...)
-    logp = take_along_last(shifted, targets) - logsumexp  # (...)
-    probs = xp.exp(shifted - logsumexp[..., None])  # (..., V)
+    require_logits_and_targets(logits, targets)
+    logp_all = log_softmax(logits)  # (..., V), the log-sum-exp with the max subtracted
+    logp = take_along_last(logp_all, targets)  # (...)
+    probs = xp.exp(logp_all)  # (..., V)
     return logp, (probs, targets)
 
 

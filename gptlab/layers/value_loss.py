@@ -4,8 +4,8 @@ the rollout measured (Schulman et al. 2017, eq. 9, the L^VF term).
     loss = 0.5 * mean((values - returns)^2)                ()
     dvalues = dloss * (values - returns) / n,   dreturns = -dvalues
 
-The returns (``gptlab.rlhf.gae``: advantages + the old values) are targets: in training their
-gradient is computed, as for any float input, and not used.
+The returns (``gptlab.alignment.rlhf.gae``: advantages + the old values) are targets: in training
+their gradient is computed, as for any float input, and not used.
 
 Book: chapter 22, "RLHF with PPO".
 """

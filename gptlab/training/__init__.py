@@ -1,0 +1,17 @@
+"""Training a model, and what a run needs around the loop. Book: chapters 10-16.
+
+    train.py        the loop (``train(TrainConfig(...))``): batch, loss and gradients, clip,
+                    update, evaluate, save; each concern below is one call away
+    optim.py        AdamW and SGD: the update equations, for dicts of arrays and for torch
+    schedule.py     learning-rate schedules, the global gradient norm and clipping
+    data.py         the corpus, the train/validation split, random (B, T) batches
+    checkpoint.py   safetensors + JSON files: one file, or a run directory with exact resume
+    sample.py       generation: the KV cache, temperature, top-k, top-p
+    metrics.py      losses per split, perplexity, bits per character, calibration
+    scaling.py      parameter and FLOP counts, GPT-3's sizes, scaling laws, memory per rank
+    parallel/       the same step on many processes (launch, DDP, ZeRO, tensor, pipeline)
+
+May import: the model and everything below it, the fused path (``gptlab.fast``), the reference
+model (``gptlab.reference``) and ``gptlab.tokenizers``. The applications (alignment, course,
+data_pipeline, the command line) import this room, never the other way.
+"""
