@@ -43,12 +43,13 @@ def bibliography_targets(app, doctree) -> None:
 
 
 def number_figures_per_chapter(app, env) -> list[str]:
-    """Figure k of chapter C is numbered (C, k): rewrite the book-wide numbers Sphinx assigned."""
+    """Figure k of chapter C is numbered (C, k), of a page without a chapter number (k,): rewrite
+    the book-wide numbers Sphinx assigned."""
     changed = []
     for docname, numbers in env.toc_fignumbers.items():
         chapter = chapter_of(Path(docname))
         figures = numbers.get("figure")
-        if chapter is None or not figures:
+        if not figures:
             continue
         names = figure_names(nbformat.read(env.doc2path(docname), as_version=4))
         position = {nodes.make_id(name): k for k, name in enumerate(names, start=1) if name}
@@ -56,7 +57,7 @@ def number_figures_per_chapter(app, env) -> list[str]:
         if unknown:
             raise ValueError(f"{docname}: figures without a `mystnb.figure.name`: {unknown}")
         for node_id in figures:
-            figures[node_id] = (int(chapter), position[node_id])
+            figures[node_id] = (int(chapter), position[node_id]) if chapter else (position[node_id],)
         changed.append(docname)
     return changed
 
