@@ -278,10 +278,23 @@ def test_the_converter_names_what_it_cannot_convert(tmp_path):
     nb = nbformat.read(paths[1], as_version=4)
     nb.cells[1].source = "See {eq}`eq-nowhere`."
     paths[1].write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
-    with pytest.raises(SystemExit, match=r"07_sample.ipynb cell 1: \{eq\}`eq-nowhere` names no equation"):
+    with pytest.raises(tool.ConversionError, match=r"07_sample.ipynb cell 1: \{eq\}`eq-nowhere` names no equation"):
         tool.convert(paths[1], tool.Book.read(paths, ROOT / "references.bib"))
 
 
 def test_the_converter_refuses_what_is_not_a_notebook(tmp_path, capsys):
     assert _tool().main([str(tmp_path / "missing.ipynb")]) == 2
     assert "not a notebook" in capsys.readouterr().err
+
+
+def test_the_converter_writes_nothing_when_a_notebook_fails(tmp_path, capsys):
+    """One clear line, exit code 2, and the notebook before the failing one is not written."""
+    tool = _tool()
+    paths = _sample_book(tmp_path)
+    nb = nbformat.read(paths[1], as_version=4)
+    nb.cells[1].source = "A {dropdown-menu} `x`, {unknownrole}`x`."
+    paths[1].write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
+    before = paths[0].read_text(encoding="utf-8")
+    assert tool.main([str(p) for p in paths]) == 2
+    assert "07_sample.ipynb cell 1: no portable form for the role {unknownrole}" in capsys.readouterr().err
+    assert paths[0].read_text(encoding="utf-8") == before

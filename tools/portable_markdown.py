@@ -28,6 +28,7 @@ changes nothing. A construct it cannot convert stops it with the notebook and ce
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import nbformat
 from docutils.nodes import make_id
+from myst_parser.mdit_to_docutils.base import default_slugify  # the anchors of myst_heading_anchors
 from pybtex.database import parse_file
 from pybtex.plugin import find_plugin
 
@@ -131,7 +133,7 @@ class Book:
                         book.equations[label] = Target(number(chapter, k), path)
                 for match in TARGET.finditer(cell.source):
                     title = match.group("title") or match.group("label")
-                    book.sections[match.group("label")] = Target(title.strip(), path, slug(title))
+                    book.sections[match.group("label")] = Target(title.strip(), path, default_slugify(title))
             for k, name in enumerate(figure_names(nb), start=1):
                 if name:
                     book.figures[name] = Target(number(chapter, k), path)
@@ -154,11 +156,7 @@ def numbered_equations(source: str) -> list[str | None]:
     return found
 
 
-def slug(title: str) -> str:
-    """The anchor MyST gives a heading (myst_heading_anchors)."""
-    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
-
-
+@functools.cache
 def citation_labels(bibfile: Path) -> dict[str, str]:
     """Each BibTeX key with the label the references page prints for it: 'Ba et al., 2016'."""
     sorting = find_plugin("pybtex.style.sorting", book_bibliography.AuthorYearStyle.default_sorting_style)
@@ -167,11 +165,15 @@ def citation_labels(bibfile: Path) -> dict[str, str]:
     return {entry.key: label for entry, label in zip(entries, labels)}
 
 
+class ConversionError(ValueError):
+    """A construct without a portable form, or a reference to nothing; names notebook and cell."""
+
+
 class Converter:
     """Converts the Markdown of one notebook; `changes` counts what it rewrote."""
 
     def __init__(self, book: Book, path: Path):
-        self.book, self.path, self.chapter = book, path, chapter_of(path)
+        self.book, self.path = book, path
         self.changes: dict[str, int] = {}
         self.where = ""
 
@@ -179,7 +181,7 @@ class Converter:
         self.changes[what] = self.changes.get(what, 0) + 1
 
     def fail(self, message: str):
-        raise SystemExit(f"{self.path.name} {self.where}: {message}")
+        raise ConversionError(f"{self.path.name} {self.where}: {message}")
 
     def other_chapter(self, target: Target) -> str:
         """' of [chapter 3](03_attention_forward.ipynb)' for a target outside this notebook."""
@@ -274,12 +276,11 @@ class Converter:
         if name == "figure":
             self.count("figures")
             target = self.book.figures.get(options.get("name", ""))
-            k = target.text if target else None
-            if k is None:
+            if target is None:
                 self.fail(f"a figure without a :name: cannot be numbered ({arg})")
             alt = re.sub(r"([\[\]])", r"\\\1", options.get("alt", content))
             caption = " ".join(content.split())
-            out = f"![{alt}]({arg})\n\n*Figure {k}: {caption}*"
+            out = f"![{alt}]({arg})\n\n*Figure {target.text}: {caption}*"
         elif name in ("dropdown", "toggle"):
             self.count("dropdowns")
             out = f"<details>\n<summary>{arg or 'Show'}</summary>\n\n{content}\n\n</details>"
@@ -288,11 +289,10 @@ class Converter:
             lead = arg if name == "admonition" else ADMONITIONS[name]
             out = "\n".join(f"> {line}".rstrip() for line in f"**{lead}.** {content}".splitlines())
         elif name == "math":
-            self.count("numbered equations" if "label" in options else "display math")
             label = options.get("label")
-            if label:
-                return indent + f"$$\n% {label}\n{content}\n\\tag{{{self.book.equations[label].text}}}\n$$"
-            out = f"$$\n{content}\n$$"
+            self.count("numbered equations" if label else "display math")
+            tag = f"\n\\tag{{{self.book.equations[label].text}}}" if label else ""
+            out = f"$$\n% {label}\n{content}{tag}\n$$" if label else f"$$\n{content}\n$$"
         else:
             self.fail(f"no portable form for the directive {{{name}}}")
         return "\n".join(indent + line if line else line for line in out.splitlines())
@@ -309,19 +309,23 @@ class Converter:
         return ROLE.sub(self.role, source)
 
 
-def convert(path: Path, book: Book) -> dict[str, int]:
-    """Rewrite one notebook's Markdown cells in place; returns what changed, by kind."""
-    text = path.read_text(encoding="utf-8")
-    nb = nbformat.reads(text, as_version=4)
+def converted(path: Path, book: Book) -> tuple[str, dict[str, int]]:
+    """The notebook's file text with its Markdown cells converted, and what changed, by kind."""
+    nb = nbformat.read(path, as_version=4)
     converter = Converter(book, path)
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "markdown":
             converter.where = f"cell {i}"
             cell.source = converter.markdown(cell.source)
-    new = nbformat.writes(nb) + "\n"
-    if new != text:
-        path.write_text(new, encoding="utf-8")
-    return converter.changes
+    return nbformat.writes(nb) + "\n", converter.changes
+
+
+def convert(path: Path, book: Book) -> dict[str, int]:
+    """Rewrite one notebook's Markdown cells in place; returns what changed, by kind."""
+    text, changes = converted(path, book)
+    if text != path.read_text(encoding="utf-8"):
+        path.write_text(text, encoding="utf-8")
+    return changes
 
 
 def main(argv=None) -> int:
@@ -336,8 +340,14 @@ def main(argv=None) -> int:
         return 2
     every = sorted({*BOOK.glob("*.ipynb"), *paths}, key=lambda p: p.name)
     book = Book.read(every, args.bib)
-    for path in paths:
-        changes = convert(path, book)
+    try:  # every notebook converts, or none is written
+        results = [(path, *converted(path, book)) for path in paths]
+    except ConversionError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for path, text, changes in results:
+        if text != path.read_text(encoding="utf-8"):
+            path.write_text(text, encoding="utf-8")
         summary = ", ".join(f"{n} {what}" for what, n in sorted(changes.items())) or "nothing to change"
         print(f"{path}: {summary}")
     return 0
