@@ -156,6 +156,25 @@ def test_equations_and_figures_are_numbered_per_chapter(path):
     assert not unknown, "references to figures the chapter does not have:\n" + "\n".join(unknown)
 
 
+CITATION_LINK = re.compile(r"\[([^\]]+)\]\(references\.md#([^)\s]+)\)")
+
+
+def test_citation_links_hit_an_entry_under_its_label():
+    """[Ba et al., 2016](references.md#ba2016layer): the anchor is a key of references.bib (the id
+    the references page gives it) and the text its label there, or "Ba et al. (2016)"."""
+    tool = _tool()
+    labels = {tool.make_id(key): label for key, label in tool.citation_labels(ROOT / "references.bib").items()}
+    wrong = []
+    for path in NOTEBOOKS:
+        for i, src in _markdown_cells(nbformat.read(path, as_version=4)):
+            for text, anchor in CITATION_LINK.findall(src):
+                label = labels.get(anchor)
+                textual = label and "{} ({})".format(*label.rsplit(", ", 1))
+                if text not in (label, textual):
+                    wrong.append(f"{path.name} cell {i}: [{text}](references.md#{anchor}), entry labelled {label!r}")
+    assert not wrong, "\n".join(wrong)
+
+
 # --------------------------------------------------------------------------------------------
 # The converter
 
