@@ -17,6 +17,8 @@ must show
   placeholder previews the first line); a click on the placeholder shows the whole source;
 - prose solutions (Markdown cells starting `<details>` `<summary>`): the `details` is closed, its
   summary visible and the rest not; a click on the summary shows it, math typeset;
+- Markdown (tests/test_portable_markdown.py): no MyST role, directive or label shown raw, and
+  every image loaded;
 - no uncaught JavaScript error, no kernel started.
 
 Screenshots land in `_build/screenshots/jupyterlab/<notebook>-<what>.png`. The tests skip where
@@ -45,6 +47,7 @@ import nbformat
 import pytest
 
 from browser import CHROMIUM, NOT_PROSE, RAW_MATH, SCREENSHOTS
+from test_portable_markdown import CONVERTED_AFTER_MERGE, RAW_MYST_HTML
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = "tests/fixtures/jupyterlab_constructs.ipynb"
@@ -331,6 +334,25 @@ def check_math(page, cells, found: Constructs) -> list[str]:
     return problems
 
 
+def check_markdown(cells, nb, name: str) -> list[str]:
+    """No MyST shown raw in a rendered Markdown cell; every image in one loaded."""
+    if name in CONVERTED_AFTER_MERGE:
+        return []
+    problems = []
+    for index, cell in enumerate(nb.cells):
+        rendered = cells.nth(index).locator(".jp-RenderedMarkdown")
+        if cell.cell_type != "markdown" or not rendered.count():
+            continue
+        raw = RAW_MYST_HTML.search(rendered.first.inner_html())
+        if raw:
+            problems.append(f"cell {index}: MyST shown raw: {raw[0]!r}")
+        images = rendered.first.locator("img")
+        for i in range(images.count()):
+            if not images.nth(i).evaluate("img => img.decode().then(() => img.naturalWidth > 0, () => false)"):
+                problems.append(f"cell {index}: image {images.nth(i).get_attribute('src')} does not load")
+    return problems
+
+
 def check_code_solutions(page, cells, nb, found: Constructs, name: str) -> list[str]:
     problems = []
     for n, index in enumerate(found.code_solutions):
@@ -424,6 +446,7 @@ def test_notebook_in_jupyterlab(notebook, lab, lab_page):
     problems += (
         check_listings(page, cells, found, name)
         + check_math(page, cells, found)
+        + check_markdown(cells, nb, name)
         + check_code_solutions(page, cells, nb, found, name)
         + check_prose_solutions(page, cells, found, name)
     )

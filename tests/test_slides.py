@@ -75,7 +75,8 @@ def test_one_slide_per_section_and_figure(deck):
 
 def test_the_labelled_equations_are_on_the_slides(deck):
     _, markdown = _chapter_markdown()
-    equations = re.findall(r"\$\$(.+?)\$\$[ \t]*\(eq-", markdown, re.S)
+    equations = re.findall(r"\$\$(.+?)\$\$[ \t]*\(eq-", markdown, re.S)  # MyST, numbered by the deck
+    equations += re.findall(r"\$\$((?:(?!\$\$).)*?\\tag\{.*?)\$\$", markdown, re.S)  # portable
     assert equations, "the test chapter must have labelled display equations"
     page = html.unescape(deck[1].read_text(encoding="utf-8"))
     for tex in equations:

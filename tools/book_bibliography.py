@@ -14,17 +14,18 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pybtex.plugin import register_plugin
+from pybtex.plugin import find_plugin, register_plugin
 from pybtex.richtext import Text
 from pybtex.style.formatting.unsrt import Style as UnsrtStyle
 from pybtex.style.labels import BaseLabelStyle
 
 NAME = "authoryear"
+TEXT = find_plugin("pybtex.backends", "text")()  # found once: each lookup scans the entry points
 
 
 def _plain(latex: str) -> str:
     """BibTeX text as a reader sees it: braces and accents resolved."""
-    return Text.from_latex(latex).render_as("text")
+    return Text.from_latex(latex).render(TEXT)
 
 
 def _who(entry) -> str:

@@ -39,6 +39,8 @@ NO_SLIDE = {"Exercises"}  # sections left out of a deck: a deck is for the lectu
 SECTION = re.compile(r"^## +(.+)$", re.M)
 TITLE = re.compile(r"\A# +(.+)$", re.M)
 EQUATION = re.compile(r"\$\$(.+?)\$\$[ \t]*\((eq-[\w-]+)\)", re.S)
+TAGGED = re.compile(r"\$\$((?:(?!\$\$).)*?\\tag\{(?:(?!\$\$).)*?)\$\$", re.S)  # portable: numbered in the source
+LOCAL_LINK = re.compile(r"\[([^\]]*)\]\((?![a-z]+:)[^)]*\)")  # [Ba et al., 2016](references.md#ba2016layer)
 ROLE = re.compile(r"\{([\w:]+)\}`([^`]*)`")
 SENTENCE_END = re.compile(r"(?<=[.!?:])\s+(?=[A-Z$*_`(])")
 NOT_PROSE = ("$$", "#", "- ", "* ", "1. ", "<", "|", "```", ":::")
@@ -155,7 +157,7 @@ def citations() -> dict[str, tuple[str, str]]:
 
 def plain(text: str, numbers: dict[str, int]) -> str:
     """MyST roles as text a slide shows: {eq} as its number, {cite} as [Author et al., year]
-    ({cite:t} as Author et al. [year]), others as is."""
+    ({cite:t} as Author et al. [year]), others as is; a link within the book as its text."""
     def replace(match):
         role, content = match.groups()
         if role == "eq":
@@ -168,7 +170,7 @@ def plain(text: str, numbers: dict[str, int]) -> str:
         if role == "numref":
             return "the figure"
         return re.sub(r"\s*<[^>]*>$", "", content)  # {ref}`text <label>` -> text
-    return ROLE.sub(replace, text)
+    return LOCAL_LINK.sub(r"\1", ROLE.sub(replace, text))
 
 
 def _markdown(source: str, slide_type: str):
@@ -191,6 +193,7 @@ def deck(nb, name: str) -> nbformat.NotebookNode:
             body = key_sentences(part.text)
             body += "".join(f"\n\n$$\n{tex.strip()}\n\\tag{{{numbers[label]}}}\n$$"
                             for tex, label in EQUATION.findall(part.text))
+            body += "".join(f"\n\n$$\n{tex.strip()}\n$$" for tex in TAGGED.findall(part.text))
         cells.append(_markdown(f"## {part.title}\n\n{plain(body, numbers)}", "slide"))
         for caption, images in part.figures:
             figure = nbformat.v4.new_code_cell("", metadata={"slideshow": {"slide_type": "slide"}})
