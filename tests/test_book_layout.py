@@ -21,6 +21,7 @@ each width land in `_build/screenshots/layout/<page>-<width>.png`.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -120,10 +121,14 @@ PLANTS = {
     # the rule the book had: long lines reflow in the column
     "wrapping code": ("<style>.bd-article pre { white-space: pre-wrap !important; }</style>", LONG_LINE),
     # equations that stick out of their box instead of scrolling in it
-    "equations that do not scroll": ("<style>.bd-article div.math mjx-container { overflow: visible !important; }</style>", ""),
+    "equations that do not scroll": ("<style>.bd-article div.math, .bd-article div.math mjx-container "
+                                     "{ overflow: visible !important; }</style>", ""),
     # the number laid over the equation
     "number over the equation": ("<style>.bd-article div.math { position: relative; } "
                                  ".bd-article div.math .eqno { position: absolute; left: 3rem; }</style>", ""),
+    # an equation numbered by MathJax (\\tag, as the portable Markdown numbers them) in a block
+    # that does not scroll: MathJax lays it out as wide as the equation and its tag
+    "tagged equation that cannot scroll": ("<style>.bd-article div.math { overflow: hidden !important; }</style>", "tag"),
     # inline code that never breaks
     "inline code that widens the page": ("<style>.bd-article code span.pre { white-space: nowrap !important; }</style>",
                                          "<p><code class='docutils literal'><span class='pre'>"
@@ -131,16 +136,21 @@ PLANTS = {
 }
 
 
-def _plant(book, name: str) -> str:
-    """A copy of PLANTED_PAGE beside it with the defect `name`; returns its docname."""
-    style, content = PLANTS[name]
+def _plant(book, name: str, style: str | None = None) -> str:
+    """A copy of PLANTED_PAGE beside it with the defect `name` (its CSS rule replaced by `style`
+    where given); returns its docname."""
+    planted_style, content = PLANTS[name]
+    style = planted_style if style is None else style
     html = (book.html / f"{PLANTED_PAGE}.html").read_text(encoding="utf-8")
     html = html.replace("</head>", style + "</head>", 1)
-    if content.startswith("<p>"):  # before the chapter's first cell
+    if content == "tag":  # every display equation numbered by MathJax instead of Sphinx
+        html = re.sub(r'<span class="eqno">.*?</span>', "", html)
+        html = re.sub(r"\\\]</div>", lambda m: r"\tag{15.1}\]</div>", html)
+    elif content.startswith("<p>"):  # before the chapter's first cell
         html = html.replace('<div class="cell docutils container">', content + '<div class="cell docutils container">', 1)
     elif content:
         html = html.replace("<pre>", f"<pre>{content}\n", 1)
-    docname = f"{PLANTED_PAGE}-planted-{name.replace(' ', '-')}"
+    docname = f"{PLANTED_PAGE}-planted-{name.replace(' ', '-')}{'' if style == planted_style else '-unstyled'}"
     (book.html / f"{docname}.html").write_text(html, encoding="utf-8")
     return docname
 
@@ -156,8 +166,15 @@ def test_the_measures_fail_on_a_planted_defect(name, book, server, chromium):
         return
     assert not _phone_problems({"clean": clean}), _phone_problems({"clean": clean})
     planted = measure(chromium, planted_url, PHONE_WIDTH)
-    key = {"equations that do not scroll": "clipped", "number over the equation": "numberOver"}.get(name)
+    key = {"equations that do not scroll": "clipped", "tagged equation that cannot scroll": "clipped",
+           "number over the equation": "numberOver"}.get(name)
     if key:
         assert planted[key], f"{name}: not measured ({planted})"
     else:
         assert planted["pageWidth"] > planted["windowWidth"], f"{name}: the page is {planted['pageWidth']} px wide"
+
+
+def test_equations_numbered_by_mathjax_scroll_on_a_phone(book, server, chromium):
+    """The chapters' equations numbered with \\tag (issue 23 section 1) scroll in their block."""
+    found = measure(chromium, f"{server.url}/{_plant(book, 'tagged equation that cannot scroll', style='')}.html", PHONE_WIDTH)
+    assert not _phone_problems({"tagged": found}), _phone_problems({"tagged": found})

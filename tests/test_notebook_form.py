@@ -3,7 +3,8 @@ folded in JupyterLab and Colab, and open in the student edition.
 
 - every chapter is stored in that form: normalising it again changes no byte;
 - the normaliser folds every graded answer cell (``### BEGIN SOLUTION``) and grading cell
-  (``metadata.jupyter.source_hidden``), keeps them tagged ``hide-input`` for the HTML book,
+  (``metadata.jupyter.source_hidden``), keeps them tagged ``hide-input`` for the HTML book and
+  tags them ``exercise-answer`` / ``grading-cell`` (the labels of their toggles),
   keeps JupyterLab's ``collapsed`` in step with ``outputs_hidden``, and writes numbers as
   JavaScript does; it is idempotent; ``--check`` names a notebook out of form;
 - the student edition (``make student``) shows the cells the student writes in unfolded.
@@ -69,6 +70,10 @@ def test_normalised_chapter_folds_graded_cells_and_is_a_fixed_point(chapter):
         cell = after.cells[index]
         assert cell.metadata.get("jupyter", {}).get("source_hidden") is True, f"cell {index} is not folded"
         assert "hide-input" in cell.metadata.get("tags", []), f"cell {index} is not folded in the HTML book"
+        assert form.graded_tag(cell) in cell.metadata.tags, f"cell {index}: no tag that labels its toggle"
+    if graded:
+        kinds = [form.graded_tag(after.cells[i]) for i in graded]
+        assert kinds.count("exercise-answer") == kinds.count("grading-cell"), f"answers and grading cells: {kinds}"
     for index, cell in enumerate(after.cells):
         if cell.metadata.get("jupyter", {}).get("outputs_hidden"):
             assert cell.metadata.get("collapsed") is True, f"cell {index}: collapsed not in step with outputs_hidden"

@@ -19,7 +19,8 @@ it matches where the chapters were executed with the same Python.
 
 This tool also folds the graded answers in JupyterLab and Colab, as the HTML book does
 (tag ``hide-input``): every answer cell (``### BEGIN SOLUTION``) and grading cell gets
-``metadata.jupyter.source_hidden``. tools/execute_notebooks.py applies :func:`in_form` to every
+``metadata.jupyter.source_hidden``, and the tag ``exercise-answer`` or ``grading-cell``, by which
+_vendor/book.css labels their toggles "Solution" and "Grading cell". tools/execute_notebooks.py applies :func:`in_form` to every
 notebook it writes; tests/test_notebook_form.py checks that the chapters are stored this way.
 """
 
@@ -36,9 +37,18 @@ GRADING_CELL = "# Grading cell for exercise "  # first line of a grading cell (t
 LARGEST_JS_INTEGER_TEXT = 1e21  # from here on JavaScript writes a number in exponent form
 
 
+def graded_tag(cell) -> str | None:
+    """``exercise-answer`` for a graded answer cell, ``grading-cell`` for its grading cell (code
+    cells; tools/grading_cells.py's conventions), None for any other cell."""
+    if cell.cell_type != "code":
+        return None
+    if cell.source.startswith(GRADING_CELL):
+        return "grading-cell"
+    return "exercise-answer" if ANSWER_MARK in cell.source else None
+
+
 def is_graded(cell) -> bool:
-    """A graded answer cell or its grading cell (code cells; tools/grading_cells.py's conventions)."""
-    return cell.cell_type == "code" and (ANSWER_MARK in cell.source or cell.source.startswith(GRADING_CELL))
+    return graded_tag(cell) is not None
 
 
 def _as_javascript_writes(value):
@@ -57,8 +67,9 @@ def in_form(nb):
     """The notebook ``nb`` (an nbformat NotebookNode) as JupyterLab saves it, graded answers folded."""
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
     for cell in nb.cells:
-        if is_graded(cell):
+        if tag := graded_tag(cell):
             cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
+            cell.metadata["tags"] = sorted(set(cell.metadata.get("tags", [])) | {tag})
         if cell.cell_type == "code" and cell.metadata.get("jupyter", {}).get("outputs_hidden"):
             cell.metadata["collapsed"] = True
     return nbformat.from_dict(_as_javascript_writes(nb))
