@@ -52,11 +52,6 @@ AUDIT_JS = r"""notProse => {
     const visible = el => el.checkVisibility ? el.checkVisibility() : el.offsetParent !== null;
     const excerpt = el => (el.textContent || '').replace(/\s+/g, ' ').trim().slice(0, 70);
 
-    // Code blocks (cells, outputs, listings) that scroll sideways.
-    const wideCode = [...article.querySelectorAll('pre')]
-        .filter(pre => visible(pre) && pre.scrollWidth > pre.clientWidth + 1)
-        .map(pre => `${pre.scrollWidth - pre.clientWidth} px too wide: ${excerpt(pre)}`);
-
     // Display equations wider than their block, and equation numbers drawn over the math.
     const wideMath = [], numberOverMath = [];
     for (const block of article.querySelectorAll('div.math')) {
@@ -102,6 +97,69 @@ AUDIT_JS = r"""notProse => {
         .map(excerpt) : [];
     const searchBoxes = [...document.querySelectorAll('.search-button-field, form.bd-search')].filter(visible).length;
 
-    return {wideCode, wideMath, numberOverMath, prose: prose.join(''), noAlt, bytes,
+    return {wideMath, numberOverMath, prose: prose.join(''), noAlt, bytes,
             requests: entries.length, scripts, aboveTitle, searchBoxes};
+}"""
+
+# Run in a book page once MathJax has typeset it (every <details> opened): how the code and the
+# display equations fit at this window width.
+# - wide: code blocks with a line wider than the column (they scroll sideways);
+# - wrapped: code blocks whose lines reflow, found by their rendered height against the height of
+#   the same block with `white-space: pre` (one row per source line), in rows of the block's own
+#   line height;
+# - clipped: display equations wider than their box with no box between them and it that scrolls;
+# - numberOver: equation numbers drawn over the part of the equation that shows;
+# - pageWidth: how wide the page is (wider than the window: it scrolls sideways).
+LAYOUT_JS = r"""() => {
+    const article = document.querySelector('article.bd-article') || document.body;
+    for (const details of article.querySelectorAll('details')) details.open = true;
+    const visible = el => el.checkVisibility ? el.checkVisibility() : el.offsetParent !== null;
+    const excerpt = el => (el.textContent || '').replace(/\s+/g, ' ').trim().slice(0, 60);
+    const scrolls = el => ['auto', 'scroll'].includes(getComputedStyle(el).overflowX);
+    // Each block's height as shown, then with every line on one row (a style on the block and
+    // everything in it, whose :not(#id) outranks any page rule), in rows of its own line height.
+    const pres = [...article.querySelectorAll('pre')].filter(visible);
+    const heights = pres.map(pre => pre.clientHeight);
+    const oneRow = document.createElement('style');
+    oneRow.textContent = 'pre:not(#gptlab-none), pre:not(#gptlab-none) * { white-space: pre !important; }';
+    document.head.appendChild(oneRow);
+    const unwrapped = pres.map(pre => pre.clientHeight);
+    oneRow.remove();
+    const wrapped = [];
+    pres.forEach((pre, i) => {
+        const style = getComputedStyle(pre);
+        const padding = parseFloat(style.paddingTop) + parseFloat(style.paddingBottom);
+        const rows = pre.textContent.replace(/\n$/, '').split('\n').length;
+        const extra = Math.round((heights[i] - unwrapped[i]) / ((unwrapped[i] - padding) / rows));
+        if (extra > 0) wrapped.push({extra, text: excerpt(pre)});
+    });
+    const blocks = pres.length;
+    // Blocks with a line wider than the column: they scroll sideways (the longest line's columns).
+    const wide = pres.filter(pre => pre.scrollWidth > pre.clientWidth + 1)
+        .map(pre => `${Math.max(...pre.textContent.split('\n').map(line => line.length))} columns: ${excerpt(pre)}`);
+    const clipped = [], numberOver = [];
+    for (const block of article.querySelectorAll('div.math')) {
+        const math = block.querySelector('mjx-container > mjx-math');
+        if (!math || !visible(block)) continue;
+        const label = block.id || excerpt(block).slice(0, 50);
+        let shown = math.getBoundingClientRect(), scrolling = false;
+        shown = {left: shown.left, right: shown.right, top: shown.top, bottom: shown.bottom};
+        for (let el = math.parentElement; el && el !== block.parentElement; el = el.parentElement) {
+            if (getComputedStyle(el).overflowX === 'visible') continue;
+            const box = el.getBoundingClientRect();
+            if (scrolls(el) && el.scrollWidth > el.clientWidth + 1) scrolling = true;
+            shown = {left: Math.max(shown.left, box.left), right: Math.min(shown.right, box.right), top: shown.top, bottom: shown.bottom};
+        }
+        const m = math.getBoundingClientRect(), box = block.getBoundingClientRect();
+        if (!scrolling && (m.width > block.clientWidth + 1 || m.left < box.left - 1 || m.right > box.right + 1))
+            clipped.push(`${Math.round(m.width)} px in ${block.clientWidth} px: ${label}`);
+        const number = block.querySelector('.eqno');
+        if (number) {
+            const n = number.getBoundingClientRect();
+            if (n.left < shown.right - 1 && n.right > shown.left + 1 && n.top < shown.bottom - 1 && n.bottom > shown.top + 1)
+                numberOver.push(`${number.textContent.replace('#', '').trim()} over ${label}`);
+        }
+    }
+    return {blocks, wrapped, wide, extraLines: wrapped.reduce((sum, w) => sum + w.extra, 0), clipped, numberOver,
+            pageWidth: document.documentElement.scrollWidth, windowWidth: window.innerWidth};
 }"""

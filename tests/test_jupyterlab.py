@@ -28,6 +28,7 @@ drives the system Chromium and never downloads a browser.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -157,14 +158,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """JupyterLab on 127.0.0.1 serving a copy of the notebooks; killed with its process group."""
-    tmp = tmp_path_factory.mktemp("jupyterlab")
+@contextlib.contextmanager
+def running_lab(tmp: Path, starts_kernel: bool = False):
+    """JupyterLab on 127.0.0.1 serving ``tmp/notebooks``, with its Jupyter folders in ``tmp``;
+    killed with its process group. ``starts_kernel``: opening a notebook starts its kernel, as
+    `make lab` does for a reader."""
     notebooks = tmp / "notebooks"
-    shutil.copytree(ROOT / "book", notebooks / "book", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    (notebooks / FIXTURE).parent.mkdir(parents=True)
-    shutil.copy(ROOT / FIXTURE, notebooks / FIXTURE)
     _write_settings(tmp / "settings")
     env = dict(
         os.environ,
@@ -183,7 +182,7 @@ def lab(tmp_path_factory):
         "--LabApp.news_url=None",
         "--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate",
         "--LabApp.extension_manager=readonly",
-        "--LabApp.notebook_starts_kernel=False",
+        f"--LabApp.notebook_starts_kernel={starts_kernel}",
         "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: the test opens notebooks with its commands
     ]
     log_path = tmp / "server.log"
@@ -210,15 +209,27 @@ def lab(tmp_path_factory):
             proc.wait(timeout=15)
 
 
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab serving a copy of `book/` and of the fixture notebook; no kernel starts."""
+    tmp = tmp_path_factory.mktemp("jupyterlab")
+    notebooks = tmp / "notebooks"
+    shutil.copytree(ROOT / "book", notebooks / "book", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    (notebooks / FIXTURE).parent.mkdir(parents=True)
+    shutil.copy(ROOT / FIXTURE, notebooks / FIXTURE)
+    with running_lab(tmp) as server:
+        yield server
+
+
 @dataclass
 class LabPage:
     page: object  # playwright.sync_api.Page
     errors: list[str]  # uncaught JavaScript errors, message and stack, in order
 
 
-@pytest.fixture(scope="module")
-def lab_page(lab):
-    """One JupyterLab page in headless Chromium, offline, loaded once for all notebooks."""
+@contextlib.contextmanager
+def opened_lab_page(lab: Lab):
+    """One JupyterLab page in headless Chromium, offline, at a 1280 px window, restored."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -240,6 +251,13 @@ def lab_page(lab):
             yield loaded
         finally:
             chromium.close()
+
+
+@pytest.fixture(scope="module")
+def lab_page(lab):
+    """One JupyterLab page for all notebooks."""
+    with opened_lab_page(lab) as loaded:
+        yield loaded
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,18 +376,22 @@ def check_code_solutions(page, cells, nb, found: Constructs, name: str) -> list[
     for n, index in enumerate(found.code_solutions):
         cell, stored = cells.nth(index), nb.cells[index]
         meta = stored.metadata
-        if "hide-cell" not in meta.get("tags", []) or (stored.outputs and not meta["jupyter"].get("outputs_hidden")):
-            problems.append(f"cell {index}: a hidden solution needs tag hide-cell and, with outputs, jupyter.outputs_hidden")
+        # hide-cell: a code solution, input and outputs folded; hide-input: a graded answer or
+        # grading cell, input folded and its report shown.
+        tags = meta.get("tags", [])
+        folds_outputs = "hide-cell" in tags
+        if not (folds_outputs or "hide-input" in tags) or (folds_outputs and stored.outputs and not meta["jupyter"].get("outputs_hidden")):
+            problems.append(f"cell {index}: a folded cell needs tag hide-input, or hide-cell and, with outputs, jupyter.outputs_hidden")
         placeholder = cell.locator(".jp-InputPlaceholder")
         if not placeholder.count() or not placeholder.first.is_visible():
             problems.append(f"cell {index}: the solution's input is not collapsed to a placeholder")
         if cell.locator(".jp-InputArea").count() and cell.locator(".jp-InputArea").first.is_visible():
             problems.append(f"cell {index}: the solution's editor is on screen")
-        if cell.locator(".jp-OutputArea").count() and cell.locator(".jp-OutputArea").first.is_visible():
+        if folds_outputs and cell.locator(".jp-OutputArea").count() and cell.locator(".jp-OutputArea").first.is_visible():
             problems.append(f"cell {index}: the solution's outputs are on screen")
-        visible = _visible_lines(cell)
+        visible = _visible_lines(cell.locator(".jp-Cell-inputWrapper"))
         first, *rest = _source_lines(stored.source) or [""]
-        outputs = "\n".join(o.get("text") or o.get("data", {}).get("text/plain", "") for o in stored.outputs)
+        outputs = "\n".join(o.get("text") or o.get("data", {}).get("text/plain", "") for o in stored.outputs if folds_outputs)
         leaked = [line for line in rest + _source_lines(outputs) if line in visible and line != first]
         if leaked:
             problems.append(f"cell {index}: solution lines visible while collapsed: {leaked[:3]}")
@@ -378,7 +400,8 @@ def check_code_solutions(page, cells, nb, found: Constructs, name: str) -> list[
             placeholder.first.locator(".jp-Placeholder-content").click()
             editor = cell.locator(".jp-InputArea-editor .cm-content")
             editor.wait_for(state="visible")
-            missing = [line for line in _source_lines(stored.source) if line not in _visible_lines(editor)]
+            # CodeMirror draws only the lines near the screen: a long answer's first 20 lines
+            missing = [line for line in _source_lines(stored.source)[:20] if line not in _visible_lines(editor)]
             if missing:
                 problems.append(f"cell {index}: after a click on the placeholder, source lines not shown: {missing[:3]}")
             _shoot(page, cell, name, "code-solution-open")

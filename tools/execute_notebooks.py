@@ -5,8 +5,9 @@
 
 Each notebook runs in a fresh kernel from its own folder. Afterwards the stream pieces that one
 ``print`` produced are merged into one output, and nbclient's per-cell execution timestamps are
-dropped, so a re-run changes only what the code printed. Stops at the first notebook with an
-error or with text on stderr, naming the cell.
+dropped, so a re-run changes only what the code printed. The notebook is stored in the form
+JupyterLab saves it (tools/notebook_form.py), so opening it there marks nothing modified.
+Stops at the first notebook with an error or with text on stderr, naming the cell.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from notebook_form import in_form  # tools/ is on the path: this file runs as a script
 
 
 def merge_streams(outputs: list) -> list:
@@ -47,7 +49,7 @@ def execute(path: Path) -> float:
         for out in cell.outputs:
             if out.output_type == "stream" and out.name == "stderr":
                 raise RuntimeError(f"{path}: cell {index} wrote to stderr:\n{out.text[:2000]}")
-    nbformat.write(nb, path)
+    nbformat.write(in_form(nb), path)
     return seconds
 
 

@@ -380,12 +380,16 @@ def student_edition(out_dir, source="book", only: Iterable[str] = ()) -> Edition
 
 def _without_raising_stubs(released: Path, target: Path) -> Path:
     """Copy a released notebook, with the stub of each ungraded code solution (``exK_solution``)
-    made harmless: nothing grades those cells, so running every cell should not stop there."""
+    made harmless: nothing grades those cells, so running every cell should not stop there.
+    The cells the student writes in open unfolded (the book folds its model answers)."""
     import nbformat
 
     nb = _read(released)
     for cell in nb.cells:
         meta = nbgrader_of(cell)
+        if meta.get("solution") and cell.cell_type == "code":
+            cell.metadata.pop("jupyter", None)  # source_hidden, outputs_hidden
+            cell.metadata.pop("collapsed", None)
         if meta.get("solution") and not meta.get("grade") and cell.cell_type == "code" \
                 and re.fullmatch(r"ex\d+_solution(_\d+)?", meta.get("grade_id", "")):
             cell.source = cell.source.replace(UNGRADED_STUB[0], UNGRADED_STUB[1])
