@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import gptlab.training.train
+import gptlab.training.steps
 from gptlab.cli import TRAIN_GROUPS, build_parser, config_from_args, main
 from gptlab.config import GPTConfig
 from gptlab.training.data import embedded_corpus
@@ -201,13 +201,13 @@ def test_bad_configs_are_refused(values, message):
 def test_threads_applies_during_the_run_only(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(embedded_corpus()[:5_000], encoding="utf-8")
-    loss_and_grads, seen = gptlab.training.train.loss_and_grads, []
+    loss_and_grads, seen = gptlab.training.steps.loss_and_grads, []
 
     def recording_loss_and_grads(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return loss_and_grads(*args, **kwargs)
 
-    monkeypatch.setattr(gptlab.training.train, "loss_and_grads", recording_loss_and_grads)
+    monkeypatch.setattr(gptlab.training.steps, "loss_and_grads", recording_loss_and_grads)
     original = torch.get_num_threads()
     torch.set_num_threads(2)  # not the run's count, so that its return shows
     try:

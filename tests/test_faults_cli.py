@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import gptlab.training.config
 import gptlab.training.train
 from gptlab.tokenizers.bpe import ByteBPETokenizer
 from gptlab.cli import TextStream, main

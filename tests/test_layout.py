@@ -118,3 +118,9 @@ def test_a_planted_upward_import_fails():
     assert wrong_arrows("from ...layers.gelu import gelu_forward\nfrom ..optim import AdamW\n"
                         "from . import mode_class\n", "gptlab.training.parallel.demo") == []
     assert wrong_arrows("from .. import backend, gradcheck\n", "gptlab.course.grading") == []
+
+
+def test_every_room_says_what_it_holds_and_may_import():
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        assert "May import" in doc, f"{init.parent.name}/__init__.py: no 'May import' docstring"
