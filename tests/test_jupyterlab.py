@@ -48,7 +48,7 @@ import nbformat
 import pytest
 
 from browser import CHROMIUM, NOT_PROSE, RAW_MATH, SCREENSHOTS
-from test_portable_markdown import CONVERTED_AFTER_MERGE, RAW_MYST_HTML
+from test_portable_markdown import RAW_MYST_HTML
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = "tests/fixtures/jupyterlab_constructs.ipynb"
@@ -354,8 +354,6 @@ def check_math(page, cells, found: Constructs) -> list[str]:
 
 def check_markdown(cells, nb, name: str) -> list[str]:
     """No MyST shown raw in a rendered Markdown cell; every image in one loaded."""
-    if name in CONVERTED_AFTER_MERGE:
-        return []
     problems = []
     for index, cell in enumerate(nb.cells):
         rendered = cells.nth(index).locator(".jp-RenderedMarkdown")

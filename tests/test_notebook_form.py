@@ -113,7 +113,7 @@ def test_check_names_a_notebook_out_of_form_and_the_rewrite_fixes_it(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("nbgrader") is None, reason="nbgrader is not installed")
 def test_the_student_edition_opens_the_cells_the_student_writes_in(tmp_path, monkeypatch):
-    from gptlab import course
+    from gptlab.course import editions as course
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     source = tmp_path / "source"

@@ -23,13 +23,6 @@ from nbconvert.filters.markdown_mistune import markdown2html_mistune
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb"))
 
-# Rewritten by another helper in this wave; the lead converts them with
-# `tools/portable_markdown.py` after the merge, then deletes this set.
-CONVERTED_AFTER_MERGE = {
-    "00_preface", "05_checking_gradients", "06_softmax_cross_entropy", "07_attention_backward",
-    "08_layernorm_gelu_mlp_backward", "09_whole_gpt_backward", "capstone", "course_guide",
-}
-
 # A MyST role, a `(label)=` target, a ``` or ::: directive fence, a labelled `$$ ... $$ (label)`,
 # a TeX \label (the hook's pattern, plus colon fences and \label).
 RAW_MYST = re.compile(
@@ -48,8 +41,7 @@ CODE = re.compile(r"^\s*(`{3,}|~{3,}).*?^\s*\1|(`+).+?\2", re.M | re.S)
 
 
 def _param(path: Path):
-    marks = [pytest.mark.xfail(reason="converted after merge", strict=False)] if path.stem in CONVERTED_AFTER_MERGE else []
-    return pytest.param(path, id=path.stem, marks=marks)
+    return pytest.param(path, id=path.stem)
 
 
 def _markdown_cells(nb):
