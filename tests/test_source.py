@@ -66,3 +66,12 @@ def test_missing_excerpt_marker_is_an_error():
         show_source(layernorm_forward, start_at="nonsense")
     with pytest.raises(TypeError, match="cannot show the source"):
         show_source(len)
+
+
+def test_the_formatters_directives_are_left_out():
+    from gptlab.layers.router import check_k
+
+    assert "# fmt: skip" in inspect.getsource(check_k)
+    listing = show_source(check_k, checks=True)
+    assert "fmt:" not in listing.code
+    assert listing.code.splitlines()[-1].endswith('f"got {k!r}")')

@@ -105,6 +105,12 @@ def _cut(lines: list[str], start_at: str | None, end_before: str | None, name: s
     return range(first, find(end_before, first + 1) if end_before else len(lines))
 
 
+# The code formatter's directives: a whole-line "# fmt: off/on", a trailing "# fmt: skip" (the
+# reader has no use for them; a "# noqa" stays, it says why a line looks unusual)
+FORMATTER_LINE = re.compile(r"\s*# fmt: (off|on)\s*")
+FORMATTER_TAIL = re.compile(r"\s*# fmt: skip\s*$")
+
+
 def show_source(target, *, checks: bool = False, start_at: str | None = None,
                 end_before: str | None = None) -> Source:
     """The current source of a function, method or class of the package, for display.
@@ -122,7 +128,8 @@ def show_source(target, *, checks: bool = False, start_at: str | None = None,
     lines = code.splitlines()
     shown = _cut(lines, start_at, end_before, name)
     dropped = set() if checks else {i - 1 for i in _check_lines(code)} & set(shown)
-    listing = "\n".join(lines[i] for i in shown if i not in dropped)
+    kept = [lines[i] for i in shown if i not in dropped and not FORMATTER_LINE.fullmatch(lines[i])]
+    listing = "\n".join(FORMATTER_TAIL.sub("", line) for line in kept)
     try:
         where = path.relative_to(PACKAGE_ROOT).as_posix()
     except ValueError:
