@@ -116,6 +116,8 @@ def test_a_phone_scrolls_code_and_equations_in_their_own_box(measured):
 # --------------------------------------------------------------------------------------------
 # Each measure fails on a planted defect
 
+NUMBERED_EQUATION = ('<div class="math notranslate nohighlight" id="planted-eq"><span class="eqno">(99)'
+                     '</span>\\[\\sum_{i=1}^{n} x_i^2 + y_i^2 + z_i^2 + w_i^2 = s_n\\]</div>')
 LONG_LINE = "x = " + " + ".join(f"term_{i}" for i in range(20))  # 180 columns
 PLANTS = {
     # the rule the book had: long lines reflow in the column
@@ -123,9 +125,11 @@ PLANTS = {
     # equations that stick out of their box instead of scrolling in it
     "equations that do not scroll": ("<style>.bd-article div.math, .bd-article div.math mjx-container "
                                      "{ overflow: visible !important; }</style>", ""),
-    # the number laid over the equation
+    # the number laid over the equation (a Sphinx-numbered equation, planted: the chapters number
+    # theirs with \\tag, which MathJax lays out beside the equation)
     "number over the equation": ("<style>.bd-article div.math { position: relative; } "
-                                 ".bd-article div.math .eqno { position: absolute; left: 3rem; }</style>", ""),
+                                 ".bd-article div.math .eqno { position: absolute; left: 3rem; }</style>",
+                                 "eqno"),
     # an equation numbered by MathJax (\\tag, as the portable Markdown numbers them) in a block
     # that does not scroll: MathJax lays it out as wide as the equation and its tag
     "tagged equation that cannot scroll": ("<style>.bd-article div.math { overflow: hidden !important; }</style>", "tag"),
@@ -143,9 +147,13 @@ def _plant(book, name: str, style: str | None = None) -> str:
     style = planted_style if style is None else style
     html = (book.html / f"{PLANTED_PAGE}.html").read_text(encoding="utf-8")
     html = html.replace("</head>", style + "</head>", 1)
-    if content == "tag":  # every display equation numbered by MathJax instead of Sphinx
-        html = re.sub(r'<span class="eqno">.*?</span>', "", html)
-        html = re.sub(r"\\\]</div>", lambda m: r"\tag{15.1}\]</div>", html)
+    if content == "tag":  # display equations numbered by MathJax (as the chapters are now)
+        if "\\tag{" not in html:
+            html = re.sub(r'<span class="eqno">.*?</span>', "", html)
+            html = re.sub(r"\\\]</div>", lambda m: r"\tag{15.1}\]</div>", html)
+    elif content == "eqno":  # one equation numbered by Sphinx, before the chapter's first cell
+        html = html.replace('<div class="cell docutils container">', NUMBERED_EQUATION
+                            + '<div class="cell docutils container">', 1)
     elif content.startswith("<p>"):  # before the chapter's first cell
         html = html.replace('<div class="cell docutils container">', content + '<div class="cell docutils container">', 1)
     elif content:
