@@ -32,6 +32,14 @@ Needs a CUDA device: without one it says so and exits 0, measuring nothing.
    (its ``train_shakespeare_char`` config with the same overrides, compiled as it defaults to,
    and eager), run in a scratch copy of ``--nanogpt DIR``.
 
+4. Generation, GPT-2 124M as released (biases, tanh GELU, vocabulary 50,257) with random
+   weights, greedy, batch 1, an 8-token prompt and 256 new tokens, in float32 and bfloat16:
+   ``generate`` with its KV cache, the ``StaticDecoder`` eager and as a CUDA graph, against
+   Hugging Face's ``GPT2LMHeadModel.generate`` on the same weights (``gptlab.interop.to_hf``;
+   skipped when transformers does not import). Tokens per second of the whole call (the prompt
+   included), median of ``--generate-rounds`` interleaved rounds after a warm-up, and whether the
+   ids equal ``generate``'s.
+
 A contender that fails (a kernel that does not compile on this GPU, say) is reported with its
 error and left out of the tables, instead of ending the run. ``--parts`` runs a subset.
 
@@ -67,7 +75,9 @@ GPT2 = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024
             gelu="erf")  # fmt: skip
 ATTENTION_T = (1024, 2048, 4096, 8192, 16384)
 GiB = 2**30
-PARTS = ("step", "attention", "char")
+PARTS = ("step", "attention", "char", "generate")
+GPT2_RELEASED = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)
+NEW_TOKENS = 256
 CHAR = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, max_iters=300,
             learning_rate=1e-3, min_lr=1e-4, warmup_iters=100, beta2=0.99, eval_iters=200)
 # (who, kernels or compile, precision), in the order they run
@@ -193,6 +203,67 @@ def run_attention(failures: list) -> list[dict]:
     return rows
 
 
+def hf_generator(params, cfg: GPTConfig, precision: str, tmp: Path):
+    """Hugging Face's GPT2LMHeadModel on ``params`` (written by ``to_hf``), greedy, never
+    stopping early: prompt ids -> prompt + new ids. None when transformers does not import."""
+    try:
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        return None
+    from gptlab.interop import to_hf
+
+    to_hf({name: p.float() for name, p in params.items()}, cfg, tmp / "hf")
+    model = GPT2LMHeadModel.from_pretrained(tmp / "hf", torch_dtype=getattr(torch, precision))
+    model = model.cuda().eval()
+    model.generation_config.eos_token_id = None  # 256 new tokens, as the others
+    model.generation_config.pad_token_id = 0
+
+    def run(prompt: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            ids = torch.tensor([prompt], device="cuda")
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 do_sample=False)  # fmt: skip
+        return out[0].tolist()
+
+    return run
+
+
+def run_generate(args, failures: list) -> list[dict]:
+    """Tokens per second of greedy generation, and whether each contender gives generate's ids."""
+    from gptlab.training.decode import StaticDecoder
+    from gptlab.training.sample import generate
+
+    cfg = GPTConfig(**GPT2_RELEASED)
+    prompt = torch.randint(0, cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.tolist()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for precision in args.precisions:
+            params = init_params(cfg, seed=0, backend="torch", dtype=precision, device="cuda")
+            runs = {"gptlab generate (KV cache)":
+                        lambda p, n: generate(params, cfg, p, n, greedy=True)}  # fmt: skip
+            for graph in (False, True):
+                decoder = StaticDecoder(params, cfg, cuda_graph=graph)
+                name = f"gptlab StaticDecoder, {'CUDA graph' if graph else 'eager'}"
+                runs[name] = lambda p, n, d=decoder: d.generate(p, n, greedy=True)
+            hf = hf_generator(params, cfg, precision, Path(tmp) / precision)
+            if hf is not None:
+                runs["Hugging Face generate"] = hf
+            ids = {}
+            steps = {name: (lambda name=name, fn=fn: ids.__setitem__(name, fn(prompt, NEW_TOKENS)))
+                     for name, fn in runs.items()}  # fmt: skip
+            steps = working(steps, failures, f"generate {precision}")  # captures, compiles
+            seconds = paired_times(steps, args.generate_rounds, "cuda")
+            reference = ids.get("gptlab generate (KV cache)")
+            for name, times in seconds.items():
+                median = statistics.median(times)
+                rows.append({"precision": precision, "contender": name,
+                             "tokens_per_s": NEW_TOKENS / median, "ms": 1e3 * median,
+                             "same_ids": reference is not None and ids[name] == reference})
+            print(f"generate {precision}: done", flush=True)
+    return rows
+
+
 def last_val_loss_gptlab(out_dir: Path) -> float:
     """The validation loss of the last evaluation in a gptlab run's log.csv."""
     with open(out_dir / "log.csv") as f:
@@ -282,6 +353,7 @@ def run(args) -> dict:
            "step": run_steps(args, cfg, peak, failures) if "step" in args.parts else [],
            "attention": run_attention(failures) if "attention" in args.parts else []}
     res["char"] = run_char(args, failures) if "char" in args.parts else []
+    res["generate"] = run_generate(args, failures) if "generate" in args.parts else []
     res["failures"] = failures
     return res
 
@@ -317,6 +389,15 @@ def goal_lines(res: dict) -> list[str]:
         ratio(f"char recipe wall time, gptlab Triton bf16 / nanoGPT {nano} bf16",
               char.get("gptlab triton, bfloat16"),
               char.get(f"nanoGPT train.py, {nano}, bfloat16"), "1.0x")
+    speed = {(r["precision"], r["contender"]): r["tokens_per_s"] for r in res.get("generate", [])}
+    for precision in sorted({precision for precision, _ in speed}):
+        graph = speed.get((precision, "gptlab StaticDecoder, CUDA graph"))
+        hf = speed.get((precision, "Hugging Face generate"))
+        if graph is not None:
+            lines.append(f"- {precision} generation, the CUDA graph decoder: {graph:,.0f} tokens/s "
+                         "(goal: at least 1,000)"
+                         + (f", {graph / hf:.2f}x Hugging Face's (goal: at least 1.0x)" if hf
+                            else ""))  # fmt: skip
     return ["", "Against the goals (ratios of the figures above):", "", *lines] if lines else []
 
 
@@ -326,18 +407,19 @@ def markdown(res: dict) -> str:
              f"{m['date']}; torch {m['torch']}, Triton {m['triton']}, CUDA {m['cuda']}. "
              f"Batch {res['batch']} x 1024 tokens, median of {res['rounds']} interleaved rounds; "
              f"MFU against the bf16 matmul peak measured in this run, "
-             f"{res['bf16_peak_tflops']:.0f} TFLOP/s. {m['note']}", "",
-             "| precision | contender | ms / step | tokens/s | model TFLOP/s | MFU | peak GiB |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for r in res["step"]:
-        lines.append(f"| {r['precision']} | {r['contender']} | {r['ms']:.1f} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.0f}% | "
-                     f"{r['peak_gib']:.1f} |")
-    lines += ["", "Causal attention alone, forward + backward, 12 heads of 64, bf16, "
-              "16,384 tokens per call:", "",
-              "| T | contender | ms | peak GiB |", "|---:|---|---:|---:|"]
-    for r in res["attention"]:
-        lines.append(f"| {r['T']} | {r['contender']} | {r['ms']:.2f} | {r['peak_gib']:.2f} |")
+             f"{res['bf16_peak_tflops']:.0f} TFLOP/s. {m['note']}"]
+    if res["step"]:
+        lines += ["", "| precision | contender | ms / step | tokens/s | model TFLOP/s | MFU | "
+                  "peak GiB |", "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['precision']} | {r['contender']} | {r['ms']:.1f} | "
+                  f"{r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.0f}% | "
+                  f"{r['peak_gib']:.1f} |" for r in res["step"]]
+    if res["attention"]:
+        lines += ["", "Causal attention alone, forward + backward, 12 heads of 64, bf16, "
+                  "16,384 tokens per call:", "",
+                  "| T | contender | ms | peak GiB |", "|---:|---|---:|---:|"]
+        lines += [f"| {r['T']} | {r['contender']} | {r['ms']:.2f} | {r['peak_gib']:.2f} |"
+                  for r in res["attention"]]
     if res.get("char"):
         lines += ["", "The char recipe end to end (one process each, wall time from start to exit, "
                   "compiles included), final validation loss over 200 batches. gptlab's float32 "
@@ -346,6 +428,13 @@ def markdown(res: dict) -> str:
                   "| run | wall s | val loss |", "|---|---:|---:|"]
         lines += [f"| {r['contender']} | {r['wall_s']:.1f} | {r['val_loss']:.4f} |"
                   for r in res["char"]]
+    if res.get("generate"):
+        lines += ["", f"Greedy generation, GPT-2 124M as released (random weights), batch 1, an "
+                  f"8-token prompt and {NEW_TOKENS} new tokens, the whole call timed:", "",
+                  "| precision | contender | tokens/s | ms / call | same ids as generate |",
+                  "|---|---|---:|---:|---|"]
+        lines += [f"| {r['precision']} | {r['contender']} | {r['tokens_per_s']:,.0f} | "
+                  f"{r['ms']:.0f} | {'yes' if r['same_ids'] else 'no'} |" for r in res["generate"]]
     lines += goal_lines(res)
     if res.get("failures"):
         lines += ["", "Contenders that failed, left out of the tables:", ""]
@@ -364,7 +453,10 @@ def main() -> int:
                         help="the text of the char recipe (tinyshakespeare)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--precisions", nargs="+", choices=("bfloat16", "float32"),
-                        default=["bfloat16", "float32"], help="the step part's precisions")
+                        default=["bfloat16", "float32"],
+                        help="the precisions of the step and generate parts")
+    parser.add_argument("--generate-rounds", type=int, default=3,
+                        help="timed rounds of the generation part")
     parser.add_argument("--char-budget", type=float, default=0,
                         help="seconds after which no further char run starts (0: no limit)")
     parser.add_argument("--markdown-only", action="store_true",

@@ -16,6 +16,7 @@ the commands that compute (``--help`` and the other commands' option errors take
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import typing
@@ -299,6 +300,7 @@ class TextStream:
 def run_sample(args: argparse.Namespace) -> int:
     from .config import check_device
     from .training.parallel.checkpoint import load_run
+    from .training.decode import StaticDecoder, static_decoder_fits
     from .training.sample import _check_sampling, generate
 
     _check_sampling(args.temperature, args.top_k, args.top_p)
@@ -311,10 +313,12 @@ def run_sample(args: argparse.Namespace) -> int:
     prompt_ids = ckpt.tokenizer.encode(args.prompt)
     stream = TextStream(ckpt.tokenizer)
     stream.write(args.prompt)
+    decode = functools.partial(generate, ckpt.params, ckpt.model_config)
+    if static_decoder_fits(ckpt.params, ckpt.model_config, len(prompt_ids), args.max_new_tokens):
+        decode = StaticDecoder(ckpt.params, ckpt.model_config).generate  # a CUDA graph per step
     try:
-        generate(ckpt.params, ckpt.model_config, prompt_ids, args.max_new_tokens,
-                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                 seed=args.seed, on_token=stream)
+        decode(prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+               top_p=args.top_p, seed=args.seed, on_token=stream)
     except KeyboardInterrupt:  # Ctrl-C ends a long generation: no traceback
         return 130
     finally:  # what was generated is out, and the line ends

@@ -168,11 +168,12 @@ def test_flash_attention_refuses_what_it_does_not_cover():
         flash_attention.flash_attention_forward(q, q[:, :2], q[:, :2])  # 2 heads do not divide 3
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         flash_attention.flash_attention_forward(q.double(), q.double(), q.double())
-    with pytest.raises(ValueError, match="block_q"):
-        flash_attention.flash_attention_forward(q, q, q, block_q=0)
+    for bad in (0, 24, 8, 16.0):  # not a power of two, below tl.dot's 16, not an integer
+        with pytest.raises(ValueError, match="block_q must be a power of two of at least 16"):
+            flash_attention.flash_attention_forward(q, q, q, block_q=bad)
     _, cache = flash_attention.flash_attention_forward(q, q, q, block_q=16, block_k=16)
-    with pytest.raises(ValueError, match="dq_blocks"):
-        flash_attention.flash_attention_backward(q, cache, dq_blocks=(16, 0))
+    with pytest.raises(ValueError, match="dq_blocks must be a power of two"):
+        flash_attention.flash_attention_backward(q, cache, dq_blocks=(16, 48))
 
 
 # --- LayerNorm ------------------------------------------------------------------------------------
@@ -266,6 +267,16 @@ def test_classifier_matches_the_chunked_layer(dtype):
     for name, g, w in zip(("dx", "dwte"), got_grads,
                           ref_classifier.chunked_classifier_backward(2.0, want_cache)):
         assert_close(g, w, dtype, name)
+
+
+def test_bias_gelu_and_classifier_refuse_tiles_that_are_not_powers_of_two():
+    h, wte = randn(0, 4, 8).float().to(DEVICE), randn(1, 37, 8).float().to(DEVICE)
+    for tile in ("block_n", "block_h"):
+        with pytest.raises(ValueError, match=f"{tile} must be a power of two"):
+            bias_gelu.bias_gelu_forward(h, **{tile: 48})
+    with pytest.raises(ValueError, match="block_v must be a power of two"):
+        classifier.classifier_forward(randn(2, 4, 8).float().to(DEVICE), wte,
+                                      torch.zeros(4, dtype=torch.int64, device=DEVICE), block_v=12)
 
 
 # --- AdamW ----------------------------------------------------------------------------------------

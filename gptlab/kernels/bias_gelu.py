@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..checks import require_float, require_shape
 from ..layers import gelu
-from .launch import check_tensors
+from .launch import check_tensors, check_tile
 from .reduce import column_sum
 
 # the layer's constants, as the compile-time globals a kernel may read
@@ -97,6 +97,8 @@ def bias_gelu_forward(h, b=None, *, approximate: str = "tanh", block_n: int = 64
         require_float(name, a)
     gelu._check_approximate(approximate)
     check_tensors(**named)
+    check_tile("block_n", block_n)
+    check_tile("block_h", block_h)
     H = h.shape[-1]
     if b is not None:
         require_shape("b", b, (H,))

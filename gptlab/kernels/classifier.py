@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..layers.chunked_classifier import _check_inputs
-from .launch import check_tensors
+from .launch import check_tensors, check_tile
 
 
 @triton.jit
@@ -66,6 +66,7 @@ def classifier_forward(x, wte, targets, *, chunk_size: int = 2048, block_v: int 
     as the layer: the mean cross-entropy of x @ wte^T over the N positions."""
     _check_inputs(x, wte, targets, chunk_size)
     check_tensors(x=x, wte=wte)
+    check_tile("block_v", block_v)
     V, C = wte.shape
     x_rows = x.reshape(-1, C)  # (N, C)
     target_rows = targets.reshape(-1).to(device=x.device, dtype=torch.int64).contiguous()  # (N,)

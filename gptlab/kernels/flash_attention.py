@@ -43,9 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layers.flash_attention import _check_block
 from ..layers.sdpa import _check_inputs
-from .launch import check_tensors, dot_dtype, input_precision, pow2
+from .launch import check_tensors, check_tile, dot_dtype, input_precision, pow2
 
 
 @triton.jit
@@ -322,8 +321,8 @@ def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | Non
     _check_inputs(q if group == 1 else q[..., : k.shape[-3], :, :], k, v, None, causal)
     check_tensors(q=q, k=k, v=v)
     (Tq, hs), (Tk, hv) = q.shape[-2:], v.shape[-2:]
-    _check_block("block_q", block_q)
-    _check_block("block_k", block_k)
+    check_tile("block_q", block_q, least=16)
+    check_tile("block_k", block_k, least=16)
     if Tq == 0 or max(hs, hv) > 128:
         raise ValueError(f"the Triton kernel needs Tq >= 1 and head sizes up to 128, got "
                          f"Tq={Tq}, hs={hs}, hv={hv}")  # fmt: skip
@@ -359,7 +358,7 @@ def flash_attention_backward(dout, cache, *, dkdv_blocks: tuple | None = None,
     num_stages = num_stages or STAGES[size][1]
     for name, blocks in (("dkdv_blocks", dkdv_blocks), ("dq_blocks", dq_blocks)):
         for block in blocks:
-            _check_block(name, block)
+            check_tile(name, block, least=16)
     D = torch.empty_like(lse)  # (..., Tq, 1) float32
     rows = 64
     _flash_backward_D_kernel[(triton.cdiv(BH * Tq, rows),)](

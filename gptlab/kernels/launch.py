@@ -62,6 +62,14 @@ def input_precision() -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
+def check_tile(name: str, size, least: int = 1) -> None:
+    """ValueError unless ``size`` (rows or columns of a tile) is a power of two (tl.arange needs
+    one) and at least ``least`` (16 where tl.dot multiplies the tile: its least on a GPU)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < least or size & (size - 1):
+        raise ValueError(f"{name} must be a power of two of at least {least} (the rows or "
+                         f"columns of a tile), got {size!r}")
+
+
 def pow2(n: int, least: int = 16) -> int:
     """The tile width that covers n: a power of two (tl.arange needs one), at least ``least``
     (tl.dot needs 16 on a GPU)."""

@@ -51,11 +51,20 @@ def sdpa_forward(q, k, v, mask=None, *, causal: bool = False, scale: float | Non
     _check_inputs(q, k, v, mask, causal)
     Tq, Tk = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    scores = q @ k.mT * scale  # (..., Tq, Tk)
     visible = causal_mask(Tq, Tk, q) if causal else None  # (Tq, Tk)
     if mask is not None:
         visible = mask if visible is None else xp.logical_and(mask, visible)  # (..., Tq, Tk)
         _require_every_query_sees_a_key(visible, causal)
+    return attend(q, k, v, visible, scale)
+
+
+def attend(q, k, v, visible, scale: float):
+    """The formula of ``sdpa_forward`` once its inputs are checked: visible (..., Tq, Tk) bool
+    or None -> (out (..., Tq, hv), cache). Unchecked: every query row must see a key
+    (``sdpa_forward`` checks it; the check reads the mask back to the host, which a step captured
+    as a CUDA graph cannot do)."""
+    xp = array_namespace(q)
+    scores = q @ k.mT * scale  # (..., Tq, Tk)
     if visible is not None:
         scores = xp.where(visible, scores, -math.inf)  # (..., Tq, Tk)
     att, softmax_cache = softmax_forward(scores, axis=-1)  # (..., Tq, Tk), rows sum to 1

@@ -12,6 +12,7 @@
     data.py         the corpus, the train/validation split, random (B, T) batches, the tokenizer
     checkpoint.py   safetensors + JSON files: one file, or a run directory with exact resume
     sample.py       generation: the KV cache, temperature, top-k, top-p
+    decode.py       generation in steps of one fixed shape, replayed as a CUDA graph on a GPU
     metrics.py      losses per split, perplexity, bits per character, calibration
     scaling.py      parameter and FLOP counts, GPT-3's sizes, scaling laws, memory per rank
     parallel/       the same step on many processes (launch, DDP, ZeRO, tensor, pipeline)

@@ -90,15 +90,7 @@ def _attention_step(x, p, k_past, v_past, *, n_head: int):
 
 def _block_step(x, p, k_past, v_past, cfg: GPTConfig, Tp: int):
     """One block (pre- or post-LN, with the parts of ``block_forward``) on the new positions
-    x (B, Tn, C), which follow Tp cached ones."""
-    opts = block_options(cfg)
-
-    def ln(z, name):
-        return block_norm(z, p, name, opts)[0]
-
-    def mlp(z):
-        y, _ = block_mlp(z, p, opts)
-        return y[0] if cfg.mlp == "moe" else y  # a mixture of experts returns (y, aux)
+    x (B, Tn, C), which follow Tp cached ones -> (y (B, Tn, C), k, v (B, NKV, Tp + Tn, hs))."""
 
     def attention(z):
         if not cfg.grouped_attention:
@@ -111,15 +103,32 @@ def _block_step(x, p, k_past, v_past, cfg: GPTConfig, Tp: int):
         return gqa_attention_step(z, *weights, k_past, v_past, n_head=cfg.n_head,
                                   n_kv_head=cfg.kv_heads, rotate=rotate)  # fmt: skip
 
+    return block_around(x, p, cfg, attention)
+
+
+def block_around(x, p, cfg: GPTConfig, attention):
+    """A block (pre- or post-LN, the norms and MLP of ``block_forward``) around an ``attention``
+    of the decoder's own: attention(z (B, Tn, C)) -> (a (B, Tn, C), *kept), where ``kept`` is
+    what that attention returns besides (the generator's new keys and values)
+    -> (y (B, Tn, C), *kept). Evaluation mode: no dropout."""
+    opts = block_options(cfg)
+
+    def ln(z, name):
+        return block_norm(z, p, name, opts)[0]
+
+    def mlp(z):
+        y, _ = block_mlp(z, p, opts)
+        return y[0] if cfg.mlp == "moe" else y  # a mixture of experts returns (y, aux)
+
     if cfg.ln_order == "pre":
-        a, k, v = attention(ln(x, "ln_1"))  # (B, Tn, C), k and v (B, NKV, Tp + Tn, hs)
+        a, *kept = attention(ln(x, "ln_1"))  # (B, Tn, C)
         x1 = x + a  # (B, Tn, C)
         y = x1 + mlp(ln(x1, "ln_2"))  # (B, Tn, C)
     else:
-        a, k, v = attention(x)  # (B, Tn, C)
+        a, *kept = attention(x)  # (B, Tn, C)
         x1 = ln(x + a, "ln_1")  # (B, Tn, C)
         y = ln(x1 + mlp(x1), "ln_2")  # (B, Tn, C)
-    return y, k, v
+    return (y, *kept)
 
 
 def forward_step(params: dict, cfg: GPTConfig, new_ids, cache: KVCache):
@@ -158,10 +167,14 @@ def _forward_step(params: dict, cfg: GPTConfig, new_ids, cache: KVCache):
         x, k, v = _block_step(x, block_params(params, layer), k_past, v_past, cfg, Tp)  # (B,Tn,C)
         ks.append(k)
         vs.append(v)
-    x_last = x[:, -1, :]  # (B, C), only the last position is needed for the next token
+    return head_logits(params, cfg, x[:, -1, :]), KVCache(ks, vs)
+
+
+def head_logits(params: dict, cfg: GPTConfig, x_last):
+    """x_last (B, C), the last position's residual stream -> logits (B, V): ln_f, then the head
+    (GPT-2's is wte^T). Only the last position is needed for the next token."""
     xf, _ = block_norm(x_last, params, "ln_f", block_options(cfg))  # (B, C)
-    logits_last = xf @ head_weight(params, cfg)  # (B, V), GPT-2's head is wte^T
-    return logits_last, KVCache(ks, vs)
+    return xf @ head_weight(params, cfg)  # (B, V)
 
 
 def _check_sampling(temperature, top_k, top_p) -> None:
@@ -235,6 +248,28 @@ def _last_logits(params, cfg: GPTConfig, ids: list[int], cache: KVCache | None):
     return _forward_step(params, cfg, idx, cache)
 
 
+def check_generate_args(params: dict, cfg: GPTConfig, prompt_ids, max_new_tokens: int,
+                        temperature: float, top_k, top_p, stop_token) -> list[int]:
+    """The checks of ``generate``'s arguments, before any work -> the prompt as a list of ints."""
+    check_params(params, cfg)
+    _check_sampling(temperature, top_k, top_p)
+    ids = _prompt_list(prompt_ids, cfg.vocab_size)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    if stop_token is not None and not 0 <= stop_token < cfg.vocab_size:
+        raise ValueError(f"stop_token must be in [0, {cfg.vocab_size}), got {stop_token!r}")
+    return ids
+
+
+def pick_token(logits, greedy: bool, temperature: float, top_k, top_p, generator):
+    """logits (B, V) -> the next token of each row (B,), on the logits' device: the argmax when
+    ``greedy``, else a draw from ``next_token_distribution`` with ``generator``."""
+    if greedy:
+        return array_namespace(logits).argmax(logits, axis=-1)  # (B,)
+    probs = next_token_distribution(logits, temperature, top_k, top_p)  # (B, V)
+    return sample_categorical(probs, generator)  # (B,)
+
+
 def generate(params: dict, cfg: GPTConfig, prompt_ids, max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              stop_token: int | None = None, seed: int = 0, use_kv_cache: bool = True,
@@ -249,23 +284,14 @@ def generate(params: dict, cfg: GPTConfig, prompt_ids, max_new_tokens: int, *,
     (which is included). The context is cropped to the last block_size tokens. With or without
     the KV cache the tokens are the same; the cache only saves work.
     """
-    check_params(params, cfg)
-    _check_sampling(temperature, top_k, top_p)
-    ids = _prompt_list(prompt_ids, cfg.vocab_size)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
-    if stop_token is not None and not 0 <= stop_token < cfg.vocab_size:
-        raise ValueError(f"stop_token must be in [0, {cfg.vocab_size}), got {stop_token!r}")
-    xp = array_namespace(params["wte.weight"])
+    ids = check_generate_args(params, cfg, prompt_ids, max_new_tokens, temperature, top_k, top_p,
+                              stop_token)  # fmt: skip
     generator = make_generator(seed, params["wte.weight"])
     cache = KVCache() if use_kv_cache else None
     for _ in range(max_new_tokens):
         logits, cache = _last_logits(params, cfg, ids, cache)  # (1, V)
-        if greedy or temperature == 0.0:
-            token = xp.argmax(logits, axis=-1)  # (1,)
-        else:
-            probs = next_token_distribution(logits, temperature, top_k, top_p)  # (1, V)
-            token = sample_categorical(probs, generator)  # (1,)
+        token = pick_token(logits, greedy or temperature == 0.0, temperature, top_k, top_p,
+                           generator)  # (1,)
         ids.append(int(token[0]))
         if on_token is not None:
             on_token(ids[-1])
