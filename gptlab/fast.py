@@ -272,7 +272,7 @@ def _triton_parts():
     """_Parts with the Triton kernels (imported here: Triton is needed only when asked for).
     The kernels return new gradients; these copy dw, db into the buffers."""
     from .kernels import bias_gelu, flash_attention, layernorm
-    from .kernels.classifier import classifier_forward
+    from .kernels.classifier import fused_classifier
 
     class TritonParts:
         @staticmethod
@@ -311,7 +311,7 @@ def _triton_parts():
             return _attention_core_back(dheads, cache, B, T, n_head, "flash",
                                         flash_attention.flash_attention_backward)  # fmt: skip
 
-        classifier = staticmethod(classifier_forward)
+        classifier = staticmethod(fused_classifier)  # on rows, unchecked
 
     return TritonParts
 
@@ -371,9 +371,21 @@ def fast_loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, buffers=None
     last step's gradients must copy them). ``loss_scale``: the gradients are those of
     loss_scale * loss (the returned loss is not scaled). ``kernels``: see the module docstring."""
     _check_call(params, idx, targets, cfg, buffers, attention, classifier)
-    wte = params["wte.weight"]  # (V, C)
-    parts = _parts(resolve_kernels(kernels, wte.device, wte.dtype))
+    wte = params["wte.weight"]
     grads = new_grad_buffers(params) if buffers is None else buffers
+    loss, grads = forward_backward_(params, idx, targets, cfg, grads, attention=attention,
+                                    classifier=classifier, recompute=recompute,
+                                    loss_scale=loss_scale,
+                                    kernels=resolve_kernels(kernels, wte.device, wte.dtype))
+    return float(loss), grads
+
+
+def forward_backward_(params: dict, idx, targets, cfg: GPTConfig, grads: dict, *, attention: str,
+                      classifier: str, recompute: bool, loss_scale: float, kernels: str):
+    """``fast_loss_and_grads`` after its checks, ``kernels`` resolved: (loss, a 0-d tensor on the
+    device, grads). Nothing here reads a value back to the host, so a CUDA graph can hold it."""
+    wte = params["wte.weight"]  # (V, C)
+    parts = _parts(kernels)
     B, T = idx.shape
     N, C = B * T, cfg.n_embd
     ids, target_ids = idx.reshape(N), targets.reshape(N)  # (N,)
@@ -392,7 +404,6 @@ def fast_loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, buffers=None
     if classifier == "chunked" or parts.classifier is not None:
         chunked = parts.classifier or chunked_classifier_forward
         loss, (dxf, dwte_head) = chunked(xf, wte, target_ids)
-        loss = float(loss)
         dwte.copy_(dwte_head).mul_(loss_scale)
         dxf = dxf.mul_(loss_scale)  # (N, C)
     else:
@@ -417,9 +428,9 @@ def fast_loss_and_grads(params: dict, idx, targets, cfg: GPTConfig, buffers=None
     return loss, grads
 
 
-def _softmax_cross_entropy_(logits, targets, scale: float) -> float:
-    """logits (N, V), targets (N,) -> the mean cross-entropy (float); logits' buffer becomes
-    dlogits = scale * (softmax(logits) - onehot(targets)) / N."""
+def _softmax_cross_entropy_(logits, targets, scale: float):
+    """logits (N, V), targets (N,) -> the mean cross-entropy (a 0-d float64 tensor); logits'
+    buffer becomes dlogits = scale * (softmax(logits) - onehot(targets)) / N."""
     N = logits.shape[0]
     rows = torch.arange(N, device=logits.device)
     row_max = logits.amax(-1, keepdim=True)  # (N, 1)
@@ -427,7 +438,7 @@ def _softmax_cross_entropy_(logits, targets, scale: float) -> float:
     picked = logits[rows, targets] - row_max[:, 0]  # (N,)
     logits.sub_(row_max).exp_()  # (N, V) exp of the shifted logits
     total = logits.sum(-1, keepdim=True)  # (N, 1)
-    loss = float((total[:, 0].double().log() - picked.double()).mean())
+    loss = (total[:, 0].double().log() - picked.double()).mean()  # ()
     # dlogits = (probs - onehot) / N, times the loss scale
     logits.div_(total)  # (N, V) probs
     logits[rows, targets] -= 1.0

@@ -67,13 +67,23 @@ def classifier_forward(x, wte, targets, *, chunk_size: int = 2048, block_v: int 
     _check_inputs(x, wte, targets, chunk_size)
     check_tensors(x=x, wte=wte)
     check_tile("block_v", block_v)
+    loss, (dx, dwte) = fused_classifier(x.reshape(-1, wte.shape[1]), wte, targets.reshape(-1),
+                                        chunk_size=chunk_size, block_v=block_v,
+                                        num_warps=num_warps)  # fmt: skip
+    return loss, (dx.view(x.shape), dwte)
+
+
+def fused_classifier(x_rows, wte, target_rows, *, chunk_size: int = 2048, block_v: int = 1024,
+                     num_warps: int = 8):  # fmt: skip
+    """``classifier_forward`` on rows, x_rows (N, C), target_rows (N,), without its checks (the
+    fused path checks its inputs once, at the model's boundary): nothing is read back to the
+    host, so a CUDA graph can hold it -> (loss () float32, (dx (N, C), dwte (V, C)))."""
     V, C = wte.shape
-    x_rows = x.reshape(-1, C)  # (N, C)
-    target_rows = targets.reshape(-1).to(device=x.device, dtype=torch.int64).contiguous()  # (N,)
+    target_rows = target_rows.to(device=x_rows.device, dtype=torch.int64).contiguous()  # (N,)
     N = x_rows.shape[0]
-    losses = torch.empty(N, dtype=torch.float32, device=x.device)  # (N,) each row's loss
+    losses = torch.empty(N, dtype=torch.float32, device=x_rows.device)  # (N,) each row's loss
     dx = torch.empty_like(x_rows)  # (N, C)
-    dwte = torch.zeros(V, C, dtype=torch.float32, device=x.device)  # (V, C), over the chunks
+    dwte = torch.zeros(V, C, dtype=torch.float32, device=x_rows.device)  # (V, C), over the chunks
     for n0 in range(0, N, chunk_size):
         n1 = min(n0 + chunk_size, N)
         x_chunk = x_rows[n0:n1]  # (n, C)
@@ -83,7 +93,7 @@ def classifier_forward(x, wte, targets, *, chunk_size: int = 2048, block_v: int 
         # logits = x_chunk @ wte^T
         torch.mm(logits, wte, out=dx[n0:n1])  # (n, C)
         dwte += logits.mT @ x_chunk  # (V, C)
-    return losses.sum() / N, (dx.view(x.shape), dwte.to(wte.dtype))
+    return losses.sum() / N, (dx, dwte.to(wte.dtype))
 
 
 def classifier_backward(dloss, cache):
