@@ -229,3 +229,24 @@ def sample_categorical(probs, generator):
 
 
 __all__ += ["make_generator", "sample_categorical"]
+
+
+def capture_cuda_graph(fn, warmups: int = 2):
+    """``fn()`` recorded as a ``torch.cuda.CUDAGraph`` -> (graph, what fn returned while it was
+    captured: the graph's output, rewritten by every ``graph.replay()``). Warm-up calls on a side
+    stream come first: they compile Triton's kernels and settle the allocator, which a capture
+    may not do. fn must keep its tensors at fixed addresses and read nothing back to the host."""
+    torch = _torch()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+__all__ += ["capture_cuda_graph"]

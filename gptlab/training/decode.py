@@ -45,7 +45,7 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..backend import is_torch_array, make_generator, take_rows
+from ..backend import capture_cuda_graph, is_torch_array, make_generator, take_rows
 from ..config import GPTConfig
 from ..layers.attention import merge_heads, split_qkv
 from ..layers.linear import linear_forward
@@ -100,8 +100,8 @@ class HostReads(TorchDispatchMode):
 
 class StaticDecoder:
     """A decoder over ``params`` (torch tensors of ``cfg``) with a cache of ``max_len`` positions
-    (block_size by default), one text at a time (B = 1). ``cuda_graph``: capture the step as a CUDA graph
-    (default: when the parameters are on a CUDA device).
+    (block_size by default), one text at a time (B = 1). ``cuda_graph``: capture the step as a
+    CUDA graph (default: when the parameters are on a CUDA device).
 
         decoder = StaticDecoder(params, cfg)
         ids = decoder.generate(prompt_ids, 256, greedy=True)   # generate's arguments and ids
@@ -169,20 +169,6 @@ class StaticDecoder:
         self.pos.add_(1)
         return head_logits(self.params, self.cfg, x[:, -1, :])  # (B, V)
 
-    def _capture(self) -> None:
-        """Record ``_step`` as a CUDA graph: warm-up steps on a side stream first (they load the
-        kernels and let the allocator settle), then one captured step; ``logits`` is the graph's
-        output buffer, rewritten at each replay."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._step()
-
     def step(self):
         """One step: the logits (B, V) after ``token`` at ``pos`` (the graph's buffer on CUDA)."""
         if self.graph is None:
@@ -212,8 +198,8 @@ class StaticDecoder:
             return ids
         if self.token is None:
             self._allocate()
-        if self.cuda_graph and self.graph is None:
-            self._capture()
+        if self.cuda_graph and self.graph is None:  # warm-up steps, then one captured step
+            self.graph, self.logits = capture_cuda_graph(self._step)
         self.k_cache.zero_()  # a fresh text: nothing cached, feeding starts at position 0
         self.v_cache.zero_()
         self.pos.zero_()
