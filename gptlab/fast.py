@@ -31,6 +31,10 @@ sinusoidal positions, an untied head) are refused with a ValueError naming the f
 Mixed precision (``MixedPrecision``): float32 master weights, bfloat16 or float16 compute through
 this path, gradients returned in float32; float16 with a dynamic ``LossScaler``.
 
+For the fused AdamW (``gptlab.kernels.adamw``), ``FlatParams`` holds the master weights, the
+compute copies and the gradients as views of one flat buffer each: the step leaves the gradients
+there (``FlatGrads``), and one kernel launch updates every parameter and rewrites its copy.
+
 Book: chapter 14.
 """
 
@@ -486,6 +490,99 @@ class LossScaler:
         self.good_steps, self.skipped, self.growths = counts.values()
 
 
+class FlatParams(dict):
+    """The parameters as views of flat buffers, for the fused AdamW (``gptlab.kernels.adamw``,
+    run by ``gptlab.training.optim.FusedAdamW``): ONE kernel launch updates every parameter.
+
+    ``self[name]``: a float32 view of ``master`` (n,), the master weights. The names are in one
+    order, those ``decayed(name, tensor)`` picks first, so the decayed elements are
+    ``master[:n_decayed]``. In that same order, one view per name:
+
+        compute  (n,) bfloat16 / float16: the copies the step computes with (None at "float32",
+                 where the step computes on the masters)
+        grad     (n,) the gradients, in the compute dtype; ``grads``: its views, the buffers
+                 FastStep writes them into
+
+    The fused update writes the masters and the compute copies in the same pass.
+    ``compute_weights()`` gives the weights a step runs on: it copies the masters into the
+    compute copies first when they changed since the copies were last written (a new FlatParams,
+    a resumed run, any in-place edit of a master), so a step never computes with stale copies.
+    An entry is never rebound (``params[name] = x`` raises): write into it in place.
+    """
+
+    def __init__(self, params: dict, precision: str = "float32", decayed=lambda name, x: True):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        for name, p in params.items():
+            if not (isinstance(p, torch.Tensor) and p.dtype == torch.float32):
+                got = p.dtype if isinstance(p, torch.Tensor) else type(p).__name__
+                raise TypeError(f"FlatParams holds float32 torch tensors (the master weights): "
+                                f"{name} is {got}")
+        devices = {p.device for p in params.values()}
+        if len(devices) != 1:
+            raise ValueError(f"the parameters must lie on one device, got "
+                             f"{sorted(map(str, devices))}")
+        first = {name for name, p in params.items() if decayed(name, p)}
+        order = [name for name in params if name in first] + [n for n in params if n not in first]
+        self.shapes = {name: tuple(params[name].shape) for name in order}
+        self.n_decayed = sum(params[name].numel() for name in first)
+        self.precision = precision
+        n, device = sum(p.numel() for p in params.values()), devices.pop()
+        self.master = torch.empty(n, dtype=torch.float32, device=device)
+        super().__init__(self.views(self.master))
+        torch._foreach_copy_(list(self.values()), [params[name] for name in self])
+        dtype = getattr(torch, precision)  # of the compute copies and the gradients
+        self.compute = (None if precision == "float32"
+                        else torch.empty_like(self.master, dtype=dtype))  # (n,)
+        self._compute_views = self if self.compute is None else self.views(self.compute)
+        self.grad = torch.zeros_like(self.master, dtype=dtype)  # (n,)
+        self.grads = self.views(self.grad)
+        self._copied_at = None  # master._version when the copies were last written from it
+
+    def views(self, flat) -> dict:
+        """name -> the view of ``flat`` ((n,), this layout) that holds that parameter."""
+        views, start = {}, 0
+        for name, shape in self.shapes.items():
+            size = math.prod(shape)
+            views[name] = flat[start:start + size].view(shape)
+            start += size
+        return views
+
+    def __setitem__(self, name, value):
+        raise TypeError(f"FlatParams[{name!r}] is a view of the flat master buffer: write into "
+                        "it in place (copy_), never rebind it")
+
+    def compute_weights(self) -> dict:
+        """name -> the weights a step computes with: the masters at "float32"; else the compute
+        copies, rewritten from the masters (one copy of the flat buffer) when they are stale."""
+        if self.compute is None:
+            return self
+        # every in-place torch write into a master view moves the buffer's version counter;
+        # the fused update writes through the kernel and records it with copies_written
+        if self.master._version != self._copied_at:
+            self.compute.copy_(self.master)
+            self.copies_written()
+        return self._compute_views
+
+    def copies_written(self) -> None:
+        """Record that the compute copies hold the masters now (the fused update wrote both)."""
+        self._copied_at = self.master._version
+
+
+class FlatGrads:
+    """The gradient of a step over ``FlatParams``: g = scale * params.grad, left where the
+    backward wrote it. float16's 1 / loss scale and the clip factor are the one number ``scale``,
+    which the fused update multiplies in as it reads each element: the gradients are never
+    rewritten, and no float32 copy of them is made."""
+
+    def __init__(self, params: FlatParams, scale: float):
+        self.params, self.scale = params, scale
+
+    def norm(self) -> float:
+        """||g||_2 = scale ||params.grad||_2, accumulated in float32 (one reduction)."""
+        return float(torch.linalg.vector_norm(self.params.grad, dtype=torch.float32)) * self.scale
+
+
 class FastStep:
     """A training step through the fused path at a ``precision``: "float32" (the parameters' own
     dtype, float64 too), or "bfloat16" /
@@ -497,6 +594,10 @@ class FastStep:
         loss, grads = step(master_params, idx, targets)
         grads: float32, like the master weights, in buffers the next call overwrites (copy
         them to keep them); None when float16 overflowed (skip the update)
+
+    ``master_params`` a ``FlatParams`` (of this precision): the step computes with its compute
+    weights and leaves the gradients in its flat ``grad`` buffer, in the compute dtype, returned
+    as ``FlatGrads`` (for the fused AdamW, which reads them there).
     """
 
     def __init__(self, cfg: GPTConfig, precision: str = "float32", *, scaler=None, **options):
@@ -514,37 +615,57 @@ class FastStep:
         self.buffers = self.compute = self.master_grads = None
 
     def __call__(self, params: dict, idx, targets):
+        flat = isinstance(params, FlatParams)
+        if flat and params.precision != self.precision:
+            raise ValueError(f"the FlatParams were made for precision={params.precision!r}, the "
+                             f"step computes in {self.precision!r}")
         if self.precision != "float32" and params["wte.weight"].dtype != torch.float32:
             raise TypeError(f"mixed precision keeps float32 master weights, got "
                             f"{params['wte.weight'].dtype}")  # fmt: skip
-        compute = params  # "float32": the model's own dtype (float64 too), no copy
-        if self.precision != "float32":
-            # the compute copies, rewritten in one multi-tensor pass (not one copy per parameter)
-            self.compute = self.compute or {name: torch.empty_like(p, dtype=self.dtype)
-                                            for name, p in params.items()}  # fmt: skip
-            torch._foreach_copy_(list(self.compute.values()), list(params.values()))
-            compute = self.compute
-        if self.buffers is None:
-            self.buffers = new_grad_buffers(compute)
+        if flat:
+            compute, buffers = params.compute_weights(), params.grads
+        else:
+            compute = self._compute_copies(params)
+            self.buffers = self.buffers or new_grad_buffers(compute)
+            buffers = self.buffers
         scale = 1.0 if self.scaler is None else self.scaler.scale
-        loss, grads = fast_loss_and_grads(compute, idx, targets, self.cfg, self.buffers,
+        loss, grads = fast_loss_and_grads(compute, idx, targets, self.cfg, buffers,
                                           loss_scale=scale, **self.options)  # fmt: skip
-        if self.precision == "float32":
+        if flat:  # left in the flat buffer, in the compute dtype: the fused update reads them
+            grads, stored = FlatGrads(params, 1.0 / scale), [params.grad]
+        elif self.precision == "float32":
             return loss, grads
-        # float32 gradients of the master weights, in buffers reused every step as self.buffers
-        self.master_grads = self.master_grads or {name: torch.empty_like(g, dtype=torch.float32)
-                                                  for name, g in grads.items()}  # fmt: skip
-        master_grads = self.master_grads
-        torch._foreach_copy_(list(master_grads.values()), list(grads.values()))
-        if scale != 1.0:
-            torch._foreach_div_(list(master_grads.values()), scale)
+        else:
+            grads = self._master_grads(grads, scale)
+            stored = list(grads.values())
         if self.scaler is not None:
-            finite = math.isfinite(loss) and all(bool(torch.isfinite(g).all())
-                                                  for g in master_grads.values())
+            finite = math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in stored)
             if not self.scaler.update(finite):
                 return loss, None
-        return loss, master_grads
+        return loss, grads
+
+    def _compute_copies(self, params: dict) -> dict:
+        """The weights the step computes with: ``params`` at "float32" (the model's own dtype,
+        float64 too); else their copies in the compute dtype, rewritten in one multi-tensor pass
+        (not one copy per parameter)."""
+        if self.precision == "float32":
+            return params
+        self.compute = self.compute or {name: torch.empty_like(p, dtype=self.dtype)
+                                        for name, p in params.items()}  # fmt: skip
+        torch._foreach_copy_(list(self.compute.values()), list(params.values()))
+        return self.compute
+
+    def _master_grads(self, grads: dict, scale: float) -> dict:
+        """float32 gradients of the master weights (the loss scale divided out), in buffers
+        reused every step as self.buffers."""
+        self.master_grads = self.master_grads or {name: torch.empty_like(g, dtype=torch.float32)
+                                                  for name, g in grads.items()}  # fmt: skip
+        torch._foreach_copy_(list(self.master_grads.values()), list(grads.values()))
+        if scale != 1.0:
+            torch._foreach_div_(list(self.master_grads.values()), scale)
+        return self.master_grads
 
 
 __all__ = ["fast_loss_and_grads", "new_grad_buffers", "check_fast_config", "LossScaler",
-           "FastStep", "resolve_kernels", "ATTENTIONS", "CLASSIFIERS", "PRECISIONS", "KERNELS"]
+           "FastStep", "FlatParams", "FlatGrads", "resolve_kernels", "ATTENTIONS", "CLASSIFIERS",
+           "PRECISIONS", "KERNELS"]
