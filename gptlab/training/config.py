@@ -238,6 +238,15 @@ class TrainConfig:
         """Whether the run takes the fused path (``fused`` and a config it covers)."""
         return self.fused and self._fused_refusal() is None
 
+    @property
+    def fused_optimizer(self) -> bool:
+        """Whether the update is ``gptlab.training.optim.FusedAdamW`` (AdamW as one Triton
+        kernel over flat buffers): AdamW on the fused path with kernels resolving to "triton".
+        Every other run keeps its optimizer; a parallel mode never runs the fused path, so it
+        keeps AdamW."""
+        return (self.runs_fused and self.optimizer == "adamw"
+                and resolve_kernels(self.kernels, self.device, self.dtype) == "triton")
+
     def _check_fast_options(self) -> None:
         """The options of gptlab.fast: ValueError naming the conflict."""
         needs_fused = [f"{name}={getattr(self, name)!r}" for name, plain in
