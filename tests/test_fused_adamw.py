@@ -22,6 +22,7 @@ triton = pytest.importorskip("triton", reason="Triton does not import on this ma
 
 from gptlab import GPTConfig, init_params  # noqa: E402
 from gptlab.fast import FastStep, FlatGrads, FlatParams, LossScaler  # noqa: E402
+from gptlab.kernels import adamw  # noqa: E402
 from gptlab.training.checkpoint import load_run_checkpoint  # noqa: E402
 from gptlab.training.config import TrainConfig  # noqa: E402
 from gptlab.training.data import embedded_corpus  # noqa: E402
@@ -57,12 +58,13 @@ def max_error(got: dict, want: dict) -> float:
 
 
 @pytest.mark.parametrize("precision,decay_filter", [("float32", matrices_only),
-                                                    ("bfloat16", matrices_and_positions)])
+                                                    ("bfloat16", matrices_and_positions),
+                                                    ("float16", matrices_only)])
 def test_the_fused_update_is_adamw_over_a_gpt(precision, decay_filter):
     """Four updates of a GPT's parameters with the learning rate changing and the gradients
     scaled (a clip factor) on every other step: masters and moments equal AdamW.step's in float64
-    to 1e-5; the state has AdamW's keys and step; the bfloat16 copies are exactly the masters
-    rounded to bfloat16."""
+    to 1e-5; the state has AdamW's keys and step; the bfloat16 / float16 copies are exactly the
+    masters rounded to nearest (torch's cast)."""
     flat = FlatParams(master_params(), precision, decayed=decay_filter)
     decayed = [decay_filter(name, p) for name, p in flat.items()]
     assert decayed == sorted(decayed, reverse=True) and decayed[0] and not decayed[-1]
@@ -82,8 +84,24 @@ def test_the_fused_update_is_adamw_over_a_gpt(precision, decay_filter):
         "adamw", 4)
     assert got_state["state"].keys() == want_state["state"].keys()
     assert max_error(got_state["state"], want_state["state"]) <= 1e-5
-    if precision == "bfloat16":
-        assert torch.equal(flat.compute, flat.master.to(torch.bfloat16))
+    if precision != "float32":
+        assert torch.equal(flat.compute, flat.master.to(flat.compute.dtype))
+
+
+def test_bfloat16_copies_round_to_nearest_even():
+    """The kernel's copy is torch's rounding on the values where rounding is decided: ties (to
+    even, down and up), a carry into the exponent, subnormals, the largest floats, signed zeros.
+    With lr = 0 the update leaves theta as it is, so the copy is of these values."""
+    values = [1 + 2**-8, 1 + 3 * 2**-8, 2 - 2**-9, -(1 + 2**-8 + 2**-20), 1e-40, -3e-39, 3.3e38,
+              -3.4e38, 0.0, -0.0, 0.1, -2.7182817]  # fmt: skip
+    theta = torch.tensor(values, dtype=torch.float32, device=DEVICE)
+    zeros = torch.zeros_like(theta)
+    copy = torch.empty_like(theta, dtype=torch.bfloat16)
+    adamw.adamw_update(theta, zeros, zeros.clone(), zeros.clone(), step=1, lr=0.0,
+                       compute=copy, **HYPER)  # fmt: skip
+    assert torch.equal(theta.cpu(), torch.tensor(values, dtype=torch.float32))
+    want = theta.to(torch.bfloat16)
+    assert torch.equal(copy.view(torch.int16), want.view(torch.int16))  # bit for bit, -0.0 too
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16", "float16"])

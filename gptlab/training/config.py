@@ -135,7 +135,7 @@ class TrainConfig:
                              "float16 (dynamic loss scaling) from float32 master weights",
                              choices=PRECISIONS)
     kernels: str = setting("auto", "torch: the fused path in torch ops; triton: LayerNorm, bias + "
-                           "GELU, flash attention and the classifier as Triton kernels "
+                           "GELU, flash attention, the classifier and AdamW as Triton kernels "
                            "(gptlab/kernels); auto: triton on CUDA when Triton imports, torch "
                            "elsewhere", choices=KERNELS)
     loss_scale_interval: int = setting(1000, "float16: good steps in a row before the loss "
