@@ -510,7 +510,7 @@ class FlatParams(dict):
     An entry is never rebound (``params[name] = x`` raises): write into it in place.
     """
 
-    def __init__(self, params: dict, precision: str = "float32", decayed=lambda name, x: True):
+    def __init__(self, params: dict, precision: str = "float32", *, decayed):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         for name, p in params.items():

@@ -246,9 +246,9 @@ def test_bad_input_gets_a_clear_error():
     params = master_params()
     flat = FlatParams(params, "bfloat16", decayed=matrices_only)
     with pytest.raises(TypeError, match="FlatParams holds float32"):
-        FlatParams({**params, "wte.weight": params["wte.weight"].double()})
+        FlatParams({**params, "wte.weight": params["wte.weight"].double()}, decayed=matrices_only)
     with pytest.raises(ValueError, match="precision must be one of"):
-        FlatParams(params, "float8")
+        FlatParams(params, "float8", decayed=matrices_only)
     with pytest.raises(TypeError, match="updates a gptlab.fast.FlatParams"):
         FusedAdamW(params, **HYPER)
     with pytest.raises(ValueError, match="another decay filter"):
@@ -265,6 +265,8 @@ def test_bad_input_gets_a_clear_error():
         fused.step(flat, FlatGrads(flat, float("nan")), lr=0.1)
     with pytest.raises(ValueError, match="made for precision='bfloat16'"):
         FastStep(CFG, "float32")(flat, *[torch.zeros(1, 2, dtype=torch.long)] * 2)
-    state = fused.state_dict()
-    with pytest.raises(ValueError, match="has shape"):
-        fused.load_state_dict({**state, "state": {**state["state"], "m.wte.weight": torch.zeros(3)}})
+    ones = {key: torch.ones_like(x) for key, x in fused.state_dict()["state"].items()}
+    with pytest.raises(ValueError, match="has shape"):  # the last name in the layout
+        fused.load_state_dict({"kind": "adamw", "step": 3,
+                               "state": {**ones, f"v.{list(flat)[-1]}": torch.ones(3)}})
+    assert float(fused.m.abs().sum()) == 0.0  # refused before any moment was written

@@ -404,6 +404,6 @@ def make_optimizer(cfg, params: dict):
                decay_filter=decay_filter)
 
 
-__all__ = ["AdamW", "FusedAdamW", "SGD", "TorchAdamW", "TorchSGD", "adamw_update", "sgd_update", "make_optimizer",
-           "param_groups", "matrices_only", "matrices_and_positions", "decay_filter_of",
-           "DecayFilter"]
+__all__ = ["AdamW", "FusedAdamW", "SGD", "TorchAdamW", "TorchSGD", "adamw_update", "sgd_update",
+           "make_optimizer", "param_groups", "matrices_only", "matrices_and_positions",
+           "decay_filter_of", "DecayFilter"]
