@@ -32,8 +32,9 @@ Mixed precision (``MixedPrecision``): float32 master weights, bfloat16 or float1
 this path, gradients returned in float32; float16 with a dynamic ``LossScaler``.
 
 For the fused AdamW (``gptlab.kernels.adamw``), ``FlatParams`` holds the master weights, the
-compute copies and the gradients as views of one flat buffer each: the step leaves the gradients
-there (``FlatGrads``), and one kernel launch updates every parameter and rewrites its copy.
+compute copies and the gradients as views of one flat buffer each: ``FlatStep`` leaves the
+gradients there (``FlatGrads``), and one kernel launch updates every parameter and rewrites its
+compute copy.
 
 Book: chapter 14.
 """
@@ -501,7 +502,7 @@ class FlatParams(dict):
         compute  (n,) bfloat16 / float16: the copies the step computes with (None at "float32",
                  where the step computes on the masters)
         grad     (n,) the gradients, in the compute dtype; ``grads``: its views, the buffers
-                 FastStep writes them into
+                 FlatStep writes them into
 
     The fused update writes the masters and the compute copies in the same pass.
     ``compute_weights()`` gives the weights a step runs on: it copies the masters into the
@@ -594,10 +595,6 @@ class FastStep:
         loss, grads = step(master_params, idx, targets)
         grads: float32, like the master weights, in buffers the next call overwrites (copy
         them to keep them); None when float16 overflowed (skip the update)
-
-    ``master_params`` a ``FlatParams`` (of this precision): the step computes with its compute
-    weights and leaves the gradients in its flat ``grad`` buffer, in the compute dtype, returned
-    as ``FlatGrads`` (for the fused AdamW, which reads them there).
     """
 
     def __init__(self, cfg: GPTConfig, precision: str = "float32", *, scaler=None, **options):
@@ -615,57 +612,63 @@ class FastStep:
         self.buffers = self.compute = self.master_grads = None
 
     def __call__(self, params: dict, idx, targets):
-        flat = isinstance(params, FlatParams)
-        if flat and params.precision != self.precision:
-            raise ValueError(f"the FlatParams were made for precision={params.precision!r}, the "
-                             f"step computes in {self.precision!r}")
         if self.precision != "float32" and params["wte.weight"].dtype != torch.float32:
             raise TypeError(f"mixed precision keeps float32 master weights, got "
                             f"{params['wte.weight'].dtype}")  # fmt: skip
-        if flat:
-            compute, buffers = params.compute_weights(), params.grads
-        else:
-            compute = self._compute_copies(params)
-            self.buffers = self.buffers or new_grad_buffers(compute)
-            buffers = self.buffers
+        compute = params  # "float32": the model's own dtype (float64 too), no copy
+        if self.precision != "float32":
+            # the compute copies, rewritten in one multi-tensor pass (not one copy per parameter)
+            self.compute = self.compute or {name: torch.empty_like(p, dtype=self.dtype)
+                                            for name, p in params.items()}  # fmt: skip
+            torch._foreach_copy_(list(self.compute.values()), list(params.values()))
+            compute = self.compute
+        if self.buffers is None:
+            self.buffers = new_grad_buffers(compute)
         scale = 1.0 if self.scaler is None else self.scaler.scale
-        loss, grads = fast_loss_and_grads(compute, idx, targets, self.cfg, buffers,
+        loss, grads = fast_loss_and_grads(compute, idx, targets, self.cfg, self.buffers,
                                           loss_scale=scale, **self.options)  # fmt: skip
-        if flat:  # left in the flat buffer, in the compute dtype: the fused update reads them
-            grads, stored = FlatGrads(params, 1.0 / scale), [params.grad]
-        elif self.precision == "float32":
-            return loss, grads
-        else:
-            grads = self._master_grads(grads, scale)
-            stored = list(grads.values())
-        if self.scaler is not None:
-            finite = math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in stored)
-            if not self.scaler.update(finite):
-                return loss, None
-        return loss, grads
-
-    def _compute_copies(self, params: dict) -> dict:
-        """The weights the step computes with: ``params`` at "float32" (the model's own dtype,
-        float64 too); else their copies in the compute dtype, rewritten in one multi-tensor pass
-        (not one copy per parameter)."""
         if self.precision == "float32":
-            return params
-        self.compute = self.compute or {name: torch.empty_like(p, dtype=self.dtype)
-                                        for name, p in params.items()}  # fmt: skip
-        torch._foreach_copy_(list(self.compute.values()), list(params.values()))
-        return self.compute
-
-    def _master_grads(self, grads: dict, scale: float) -> dict:
-        """float32 gradients of the master weights (the loss scale divided out), in buffers
-        reused every step as self.buffers."""
+            return loss, grads
+        # float32 gradients of the master weights, in buffers reused every step as self.buffers
         self.master_grads = self.master_grads or {name: torch.empty_like(g, dtype=torch.float32)
                                                   for name, g in grads.items()}  # fmt: skip
-        torch._foreach_copy_(list(self.master_grads.values()), list(grads.values()))
+        master_grads = self.master_grads
+        torch._foreach_copy_(list(master_grads.values()), list(grads.values()))
         if scale != 1.0:
-            torch._foreach_div_(list(self.master_grads.values()), scale)
-        return self.master_grads
+            torch._foreach_div_(list(master_grads.values()), scale)
+        if self.scaler is not None:
+            finite = math.isfinite(loss) and all(bool(torch.isfinite(g).all())
+                                                  for g in master_grads.values())
+            if not self.scaler.update(finite):
+                return loss, None
+        return loss, master_grads
+
+
+class FlatStep(FastStep):
+    """``FastStep`` over ``FlatParams`` (of its precision), for the fused AdamW: the step computes
+    with their compute weights (copied from the masters only when stale) and leaves the
+    gradients in their flat ``grad`` buffer, in the compute dtype, returned as ``FlatGrads``
+    whose scale is 1 / the loss scale: no float32 copy of the gradients, no pass that unscales
+    them. float16 still skips a step whose scaled gradients overflowed (grads None).
+
+        loss, grads = step(flat_params, idx, targets)
+    """
+
+    def __call__(self, params: FlatParams, idx, targets):
+        if not (isinstance(params, FlatParams) and params.precision == self.precision):
+            got = params.precision if isinstance(params, FlatParams) else type(params).__name__
+            raise ValueError(f"FlatStep runs on FlatParams of precision={self.precision!r}, got "
+                             f"{got}")
+        scale = 1.0 if self.scaler is None else self.scaler.scale
+        loss, _ = fast_loss_and_grads(params.compute_weights(), idx, targets, self.cfg,
+                                      params.grads, loss_scale=scale, **self.options)
+        if self.scaler is not None:
+            finite = math.isfinite(loss) and bool(torch.isfinite(params.grad).all())
+            if not self.scaler.update(finite):
+                return loss, None
+        return loss, FlatGrads(params, 1.0 / scale)
 
 
 __all__ = ["fast_loss_and_grads", "new_grad_buffers", "check_fast_config", "LossScaler",
-           "FastStep", "FlatParams", "FlatGrads", "resolve_kernels", "ATTENTIONS", "CLASSIFIERS",
-           "PRECISIONS", "KERNELS"]
+           "FastStep", "FlatParams", "FlatGrads", "FlatStep", "resolve_kernels", "ATTENTIONS",
+           "CLASSIFIERS", "PRECISIONS", "KERNELS"]

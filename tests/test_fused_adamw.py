@@ -21,7 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 triton = pytest.importorskip("triton", reason="Triton does not import on this machine")
 
 from gptlab import GPTConfig, init_params  # noqa: E402
-from gptlab.fast import FastStep, FlatGrads, FlatParams, LossScaler  # noqa: E402
+from gptlab.fast import FastStep, FlatGrads, FlatParams, FlatStep, LossScaler  # noqa: E402
 from gptlab.kernels import adamw  # noqa: E402
 from gptlab.training.checkpoint import load_run_checkpoint  # noqa: E402
 from gptlab.training.config import TrainConfig  # noqa: E402
@@ -107,23 +107,24 @@ def test_bfloat16_copies_round_to_nearest_even():
 @pytest.mark.parametrize("precision", ["float32", "bfloat16", "float16"])
 def test_steps_over_flat_params_follow_the_plain_loop(precision):
     """Three clipped updates (grad_clip 0.05, so the clip acts; the step in torch ops): FlatParams
-    with FusedAdamW give the losses and gradient norms (relative) and the master weights
-    (absolute: the weights are at most about 1) of a dict with AdamW, to 1e-5 in float32 and
-    2e-3 in bfloat16 and float16 (a master on the edge of a rounding may round to another compute
-    weight). Absolute, because the key part of c_attn.bias has a zero gradient up to round-off,
-    which Adam's m / sqrt(v) turns into steps of order lr: in float32 the two paths differ there
-    by about 1e-4 lr. float16 first runs two steps at a loss scale of 2^40: both overflow and are
-    skipped on both sides, and the masters stay as they were."""
+    with FlatStep and FusedAdamW give the losses and gradient norms (relative) and the master
+    weights (absolute: the weights are at most about 1) of a dict with FastStep and AdamW, to 1e-5
+    in float32 and 2e-3 in bfloat16 and float16 (a master on the edge of a rounding may round to
+    another compute weight). Absolute, because the key part of c_attn.bias has a zero gradient up
+    to round-off, which Adam's m / sqrt(v) turns into steps of order lr: in float32 the two paths
+    differ there by about 1e-4 lr. float16 first runs two steps at a loss scale of 2^40: both
+    overflow and are skipped on both sides, and the masters stay as they were."""
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, CFG.vocab_size, (2, 8), generator=generator).to(DEVICE)
                for _ in range(4)]  # fmt: skip
     runs = {}
     for kind in ("plain", "fused"):
         scaler = LossScaler(scale=2.0**40) if precision == "float16" else None
-        step = FastStep(CFG, precision, scaler=scaler, kernels="torch")
         params = master_params()
         if kind == "fused":
             params = FlatParams(params, precision, decayed=matrices_only)
+        step = (FlatStep if kind == "fused" else FastStep)(CFG, precision, scaler=scaler,
+                                                           kernels="torch")  # fmt: skip
         mode = OneProcess(params, lambda p, x, y, seed: step(p, x, y))
         optimizer = (FusedAdamW if kind == "fused" else AdamW)(mode.params, **HYPER)
         before = {name: p.clone() for name, p in mode.params.items()}
@@ -256,15 +257,18 @@ def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="lr"):
         FusedAdamW(flat, lr=-1.0)
     fused = FusedAdamW(flat, **HYPER)
-    with pytest.raises(ValueError, match="FlatGrads of a FastStep"):
+    with pytest.raises(ValueError, match="FlatGrads of a FlatStep"):
         fused.step(flat, dict(flat.grads), lr=0.1)
     other = FlatParams(params, "bfloat16", decayed=matrices_only)
     with pytest.raises(ValueError, match="FlatParams it was built over"):
         fused.step(other, FlatGrads(other, 1.0), lr=0.1)
     with pytest.raises(ValueError, match="grad_scale"):
         fused.step(flat, FlatGrads(flat, float("nan")), lr=0.1)
-    with pytest.raises(ValueError, match="made for precision='bfloat16'"):
-        FastStep(CFG, "float32")(flat, *[torch.zeros(1, 2, dtype=torch.long)] * 2)
+    tokens = [torch.zeros(1, 2, dtype=torch.long, device=DEVICE)] * 2
+    with pytest.raises(ValueError, match="precision='float32', got bfloat16"):
+        FlatStep(CFG, "float32")(flat, *tokens)
+    with pytest.raises(ValueError, match="FlatParams of precision='bfloat16', got dict"):
+        FlatStep(CFG, "bfloat16")(params, *tokens)
     ones = {key: torch.ones_like(x) for key, x in fused.state_dict()["state"].items()}
     with pytest.raises(ValueError, match="has shape"):  # the last name in the layout
         fused.load_state_dict({"kind": "adamw", "step": 3,

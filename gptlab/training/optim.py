@@ -236,14 +236,14 @@ class FusedAdamW(AdamW):
 
     def step(self, params, grads, lr: float | None = None):
         """One update of every parameter, one launch, in place: returns ``params``, which must
-        be the FlatParams the optimizer was built over; ``grads``: the FlatGrads of a FastStep
+        be the FlatParams the optimizer was built over; ``grads``: the FlatGrads of a FlatStep
         over them. ``lr`` overrides ``self.lr``."""
         from ..kernels.adamw import adamw_update as fused_adamw_update  # imports Triton
 
         if params is not self.params or not (isinstance(grads, FlatGrads)
                                              and grads.params is params):
             raise ValueError("FusedAdamW.step takes the FlatParams it was built over and the "
-                             "FlatGrads of a FastStep over them")
+                             "FlatGrads of a FlatStep over them")
         fused_adamw_update(params.master, params.grad, self.m, self.v, step=self.step_count + 1,
                            lr=self.lr if lr is None else lr, betas=self.betas, eps=self.eps,
                            weight_decay=self.weight_decay, compute=params.compute,

@@ -82,19 +82,11 @@ def clip_grad_norm(grads: dict, max_norm: float, norm: float | None = None) -> f
     global norm when ``grads`` hold only a part of the gradient (a shard of a parallel run).
     """
     total_norm = global_norm(grads) if norm is None else norm
-    coef = clip_factor(total_norm, max_norm)
-    if coef < 1.0:
+    coef = max_norm / (total_norm + 1e-6)
+    if math.isfinite(total_norm) and coef < 1.0:
         for name in grads:
             grads[name] = grads[name] * coef
     return total_norm
-
-
-def clip_factor(norm: float, max_norm: float) -> float:
-    """The factor ``clip_grad_norm`` scales a gradient of global norm ``norm`` by:
-    max_norm / (norm + 1e-6) when that is below 1, else 1 (and 1 for a norm that is not finite,
-    or max_norm 0: no clipping)."""
-    coef = max_norm / (norm + 1e-6)
-    return coef if max_norm > 0 and math.isfinite(norm) and coef < 1.0 else 1.0
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm: float | None = None) -> float:
@@ -117,4 +109,4 @@ def clip_grad_norm_(parameters, max_norm: float, norm: float | None = None) -> f
 
 
 __all__ = ["SCHEDULES", "cosine_lr", "inverse_sqrt_lr", "make_schedule", "global_norm",
-           "clip_grad_norm", "clip_grad_norm_", "clip_factor"]
+           "clip_grad_norm", "clip_grad_norm_"]

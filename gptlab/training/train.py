@@ -74,7 +74,7 @@ from .parallel.launch import init_process_group, launch, under_launcher
 from .resume import check_resume
 from .schedule import make_schedule
 from .start import check_start, claim_out_dir, torch_threads
-from .steps import dropout_seed, loss_functions, make_mode
+from .steps import dropout_seed, flat_train_loss, loss_functions, make_mode
 
 
 class TrainingDiverged(RuntimeError):
@@ -163,9 +163,10 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
         scaler = LossScaler(growth_interval=cfg.loss_scale_interval)
         if cfg.resume and ckpt.state.get("loss_scaler") is not None:
             scaler.load_state_dict(ckpt.state["loss_scaler"])
+    train_loss, eval_loss = loss_functions(cfg, model_cfg, scaler)
     if cfg.fused_optimizer:  # masters, compute copies, gradients: one flat buffer each
         params = FlatParams(params, cfg.precision, decayed=decay_filter_of(cfg))
-    train_loss, eval_loss = loss_functions(cfg, model_cfg, scaler)
+        train_loss = flat_train_loss(cfg, model_cfg, scaler)
     mode = make_mode(cfg, model_cfg, params, train_loss)
     optimizer = make_optimizer(cfg, mode.params)  # (FusedAdamW over FlatParams)
     if cfg.resume:  # moments saved whole, cut to this mode's layout

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ...config import GPTConfig
 from ...fast import FlatGrads
 from ...model import check_params, loss_and_grads, param_shapes
-from ..schedule import clip_factor, clip_grad_norm, global_norm
+from ..schedule import clip_grad_norm, global_norm
 
 
 @runtime_checkable
@@ -124,9 +124,12 @@ def clipped_grads(mode, idx, targets, grad_clip: float = 0.0, **options):
     loss, grads = mode.loss_and_grads(idx, targets, **options)
     if grads is None:  # a mixed-precision step skipped on overflow (gptlab.fast.FastStep)
         return loss, None, math.nan
-    if isinstance(grads, FlatGrads):  # for the fused AdamW: the clip is a factor it applies
-        norm = grads.norm()
-        grads.scale *= clip_factor(norm, grad_clip)
+    if isinstance(grads, FlatGrads):  # the fused AdamW's g = scale * flat: clipping g is
+        norm = grads.norm()  # clipping the one number scale, which the update multiplies in
+        if grad_clip > 0:
+            factor = {"scale": grads.scale}
+            clip_grad_norm(factor, grad_clip, norm=norm)  # times clip_grad_norm's factor
+            grads.scale = factor["scale"]
         return loss, grads, norm
     norm = mode.grad_norm(grads)
     if grad_clip > 0:
