@@ -1,5 +1,6 @@
-"""The fused AdamW (gptlab.training.optim.FusedAdamW: one Triton launch over gptlab.fast.FlatParams)
-against the functional AdamW, the plain training step and a whole training run.
+"""The fused AdamW (gptlab.training.optim.FusedAdamW: one Triton launch over gptlab.fast.FlatParams,
+whose gradients gptlab.fast.FlatStep leaves in place) against the functional AdamW, the plain
+training step and whole training runs.
 
 Without CUDA the kernel runs under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set by
 tests/conftest.py before any kernel is defined). float64 is not a Triton dtype: the kernel runs
@@ -264,6 +265,10 @@ def test_bad_input_gets_a_clear_error():
         fused.step(other, FlatGrads(other, 1.0), lr=0.1)
     with pytest.raises(ValueError, match="grad_scale"):
         fused.step(flat, FlatGrads(flat, float("nan")), lr=0.1)
+    assert fused.step_count == 0  # nothing counted for the refused updates
+    with pytest.raises(ValueError, match="decayed must be an integer in"):
+        adamw.adamw_update(flat.master, flat.grad, fused.m, fused.v, step=1, lr=0.1,
+                           decayed=flat.master.numel() + 1, **HYPER)  # fmt: skip
     tokens = [torch.zeros(1, 2, dtype=torch.long, device=DEVICE)] * 2
     with pytest.raises(ValueError, match="precision='float32', got bfloat16"):
         FlatStep(CFG, "float32")(flat, *tokens)
