@@ -523,8 +523,8 @@ class FlatParams(dict):
         if len(devices) != 1:
             raise ValueError(f"the parameters must lie on one device, got "
                              f"{sorted(map(str, devices))}")
-        first = {name for name, p in params.items() if decayed(name, p)}
-        order = [name for name in params if name in first] + [n for n in params if n not in first]
+        first = {name for name, p in params.items() if decayed(name, p)}  # the decayed names
+        order = sorted(params, key=lambda name: name not in first)  # stable: first, then the rest
         self.shapes = {name: tuple(params[name].shape) for name in order}
         self.n_decayed = sum(params[name].numel() for name in first)
         self.precision = precision
