@@ -14,11 +14,12 @@ theta, m and v are overwritten and returned.
 
 Over a whole model it is ONE launch: ``gptlab.fast.FlatParams`` holds every parameter's master
 weights, compute copy and gradient as views of one flat buffer each, the decayed matrices first,
-so the decay is lambda for the first ``decayed`` elements and 0 after them. Two scalars reach g
-as it is read, ``grad_scale`` = c / s: the clip factor c = min(1, max_norm / ||g||) and float16's
-loss scale s (the backward gave the gradients of s * loss). So the gradients are never rewritten
-to be clipped or unscaled, and a float32 copy of the bfloat16 gradients is never made
-(``gptlab.training.optim.FusedAdamW`` drives it).
+so the decay is lambda for the first ``decayed`` elements and 0 after them. One scalar multiplies
+g as it is read, ``grad_scale`` = c / s, from the clip factor c = min(1, max_norm / ||g||) and
+float16's loss scale s (the backward gave the gradients of s * loss). So the gradients are never
+rewritten to be clipped or unscaled, and a float32 copy of the bfloat16 gradients is never made
+(``gptlab.training.optim.FusedAdamW`` drives it). The copy is theta rounded to the nearest
+bfloat16 (or float16) number, ties to even, as torch's cast rounds.
 
 Book: chapter 23, "The fused optimizer".
 """
