@@ -31,6 +31,11 @@ sinusoidal positions, an untied head) are refused with a ValueError naming the f
 Mixed precision (``MixedPrecision``): float32 master weights, bfloat16 or float16 compute through
 this path, gradients returned in float32; float16 with a dynamic ``LossScaler``.
 
+For the fused AdamW (``gptlab.kernels.adamw``), ``FlatParams`` holds the master weights, the
+compute copies and the gradients as views of one flat buffer each: ``FlatStep`` leaves the
+gradients there (``FlatGrads``), and one kernel launch updates every parameter and rewrites its
+compute copy.
+
 Book: chapter 14.
 """
 
@@ -497,6 +502,99 @@ class LossScaler:
         self.good_steps, self.skipped, self.growths = counts.values()
 
 
+class FlatParams(dict):
+    """The parameters as views of flat buffers, for the fused AdamW (``gptlab.kernels.adamw``,
+    run by ``gptlab.training.optim.FusedAdamW``): ONE kernel launch updates every parameter.
+
+    ``self[name]``: a float32 view of ``master`` (n,), the master weights. The names are in one
+    order, those ``decayed(name, tensor)`` picks first, so the decayed elements are
+    ``master[:n_decayed]``. In that same order, one view per name:
+
+        compute  (n,) bfloat16 / float16: the copies the step computes with (None at "float32",
+                 where the step computes on the masters)
+        grad     (n,) the gradients, in the compute dtype; ``grads``: its views, the buffers
+                 FlatStep writes them into
+
+    The fused update writes the masters and the compute copies in the same pass.
+    ``compute_weights()`` gives the weights a step runs on: it copies the masters into the
+    compute copies first when they changed since the copies were last written (a new FlatParams,
+    a resumed run, any in-place edit of a master), so a step never computes with stale copies.
+    An entry is never rebound (``params[name] = x`` raises): write into it in place.
+    """
+
+    def __init__(self, params: dict, precision: str = "float32", *, decayed):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        for name, p in params.items():
+            if not (isinstance(p, torch.Tensor) and p.dtype == torch.float32):
+                got = p.dtype if isinstance(p, torch.Tensor) else type(p).__name__
+                raise TypeError(f"FlatParams holds float32 torch tensors (the master weights): "
+                                f"{name} is {got}")
+        devices = {p.device for p in params.values()}
+        if len(devices) != 1:
+            raise ValueError(f"the parameters must lie on one device, got "
+                             f"{sorted(map(str, devices))}")
+        first = {name for name, p in params.items() if decayed(name, p)}  # the decayed names
+        order = sorted(params, key=lambda name: name not in first)  # stable: first, then the rest
+        self.shapes = {name: tuple(params[name].shape) for name in order}
+        self.n_decayed = sum(params[name].numel() for name in first)
+        self.precision = precision
+        n, device = sum(p.numel() for p in params.values()), devices.pop()
+        self.master = torch.empty(n, dtype=torch.float32, device=device)
+        super().__init__(self.views(self.master))
+        torch._foreach_copy_(list(self.values()), [params[name] for name in self])
+        dtype = getattr(torch, precision)  # of the compute copies and the gradients
+        self.compute = (None if precision == "float32"
+                        else torch.empty_like(self.master, dtype=dtype))  # (n,)
+        self._compute_views = self if self.compute is None else self.views(self.compute)
+        self.grad = torch.zeros_like(self.master, dtype=dtype)  # (n,)
+        self.grads = self.views(self.grad)
+        self._copied_at = None  # master._version when the copies were last written from it
+
+    def views(self, flat) -> dict:
+        """name -> the view of ``flat`` ((n,), this layout) that holds that parameter."""
+        views, start = {}, 0
+        for name, shape in self.shapes.items():
+            size = math.prod(shape)
+            views[name] = flat[start:start + size].view(shape)
+            start += size
+        return views
+
+    def __setitem__(self, name, value):
+        raise TypeError(f"FlatParams[{name!r}] is a view of the flat master buffer: write into "
+                        "it in place (copy_), never rebind it")
+
+    def compute_weights(self) -> dict:
+        """name -> the weights a step computes with: the masters at "float32"; else the compute
+        copies, rewritten from the masters (one copy of the flat buffer) when they are stale."""
+        if self.compute is None:
+            return self
+        # every in-place torch write into a master view moves the buffer's version counter;
+        # the fused update writes through the kernel and records it with copies_written
+        if self.master._version != self._copied_at:
+            self.compute.copy_(self.master)
+            self.copies_written()
+        return self._compute_views
+
+    def copies_written(self) -> None:
+        """Record that the compute copies hold the masters now (the fused update wrote both)."""
+        self._copied_at = self.master._version
+
+
+class FlatGrads:
+    """The gradient of a step over ``FlatParams``: g = scale * params.grad, left where the
+    backward wrote it. float16's 1 / loss scale and the clip factor are the one number ``scale``,
+    which the fused update multiplies in as it reads each element: the gradients are never
+    rewritten, and no float32 copy of them is made."""
+
+    def __init__(self, params: FlatParams, scale: float):
+        self.params, self.scale = params, scale
+
+    def norm(self) -> float:
+        """||g||_2 = scale ||params.grad||_2, accumulated in float32 (one reduction)."""
+        return float(torch.linalg.vector_norm(self.params.grad, dtype=torch.float32)) * self.scale
+
+
 class FastStep:
     """A training step through the fused path at a ``precision``: "float32" (the parameters' own
     dtype, float64 too), or "bfloat16" /
@@ -557,5 +655,31 @@ class FastStep:
         return loss, master_grads
 
 
+class FlatStep(FastStep):
+    """``FastStep`` over ``FlatParams`` (of its precision), for the fused AdamW: the step computes
+    with their compute weights (copied from the masters only when stale) and leaves the
+    gradients in their flat ``grad`` buffer, in the compute dtype, returned as ``FlatGrads``
+    whose scale is 1 / the loss scale: no float32 copy of the gradients, no pass that unscales
+    them. float16 still skips a step whose scaled gradients overflowed (grads None).
+
+        loss, grads = step(flat_params, idx, targets)
+    """
+
+    def __call__(self, params: FlatParams, idx, targets):
+        if not (isinstance(params, FlatParams) and params.precision == self.precision):
+            got = params.precision if isinstance(params, FlatParams) else type(params).__name__
+            raise ValueError(f"FlatStep runs on FlatParams of precision={self.precision!r}, got "
+                             f"{got}")
+        scale = 1.0 if self.scaler is None else self.scaler.scale
+        loss, _ = fast_loss_and_grads(params.compute_weights(), idx, targets, self.cfg,
+                                      params.grads, loss_scale=scale, **self.options)
+        if self.scaler is not None:
+            finite = math.isfinite(loss) and bool(torch.isfinite(params.grad).all())
+            if not self.scaler.update(finite):
+                return loss, None
+        return loss, FlatGrads(params, 1.0 / scale)
+
+
 __all__ = ["fast_loss_and_grads", "new_grad_buffers", "check_fast_config", "LossScaler",
-           "FastStep", "resolve_kernels", "ATTENTIONS", "CLASSIFIERS", "PRECISIONS", "KERNELS"]
+           "FastStep", "FlatParams", "FlatGrads", "FlatStep", "resolve_kernels", "ATTENTIONS",
+           "CLASSIFIERS", "PRECISIONS", "KERNELS"]

@@ -4,7 +4,8 @@
     layernorm.py         row statistics in one pass; dgamma, dbeta reduced in two stages
     bias_gelu.py         gelu(h + b), tanh and erf forms
     classifier.py        the tied head and the cross-entropy, chunks of tokens, vocabulary tiles
-    adamw.py             AdamW on float32 master weights, writing the bf16 compute copies
+    adamw.py             AdamW on float32 master weights, writing the bf16 compute copies;
+                         one launch over a model's flat buffers (gptlab.fast.FlatParams)
     reduce.py            the second stage of the column sums (dgamma, dbeta, db)
     launch.py            what the launch wrappers share: where Triton can run, the tiles' dtypes
 

@@ -7,7 +7,8 @@
     steps.py        one step's loss and gradients: plain, fused or autograd; one process or a mode
     resume.py       what a resumed run must match and what it may change
     log.py          the loss log (csv or jsonl), read back and plotted
-    optim.py        AdamW and SGD: the update equations, for dicts of arrays and for torch
+    optim.py        AdamW and SGD: the update equations, for dicts of arrays and for torch;
+                    FusedAdamW, AdamW as one Triton launch over flat buffers
     schedule.py     learning-rate schedules, the global gradient norm and clipping
     data.py         the corpus, the train/validation split, random (B, T) batches, the tokenizer
     checkpoint.py   safetensors + JSON files: one file, or a run directory with exact resume
@@ -17,7 +18,8 @@
     scaling.py      parameter and FLOP counts, GPT-3's sizes, scaling laws, memory per rank
     parallel/       the same step on many processes (launch, DDP, ZeRO, tensor, pipeline)
 
-May import: the model and everything below it, the fused path (``gptlab.fast``), the reference
+May import: the model and everything below it, the fused path (``gptlab.fast``, and through it
+``gptlab.kernels``: optim.py imports the AdamW kernel when FusedAdamW runs), the reference
 model (``gptlab.reference``) and ``gptlab.tokenizers``. The applications (alignment, course,
 data_pipeline, the command line) import this room, never the other way.
 """

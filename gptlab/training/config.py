@@ -135,7 +135,7 @@ class TrainConfig:
                              "float16 (dynamic loss scaling) from float32 master weights",
                              choices=PRECISIONS)
     kernels: str = setting("auto", "torch: the fused path in torch ops; triton: LayerNorm, bias + "
-                           "GELU, flash attention and the classifier as Triton kernels "
+                           "GELU, flash attention, the classifier and AdamW as Triton kernels "
                            "(gptlab/kernels); auto: triton on CUDA when Triton imports, torch "
                            "elsewhere", choices=KERNELS)
     loss_scale_interval: int = setting(1000, "float16: good steps in a row before the loss "
@@ -237,6 +237,15 @@ class TrainConfig:
     def runs_fused(self) -> bool:
         """Whether the run takes the fused path (``fused`` and a config it covers)."""
         return self.fused and self._fused_refusal() is None
+
+    @property
+    def fused_optimizer(self) -> bool:
+        """Whether the update is ``gptlab.training.optim.FusedAdamW`` (AdamW as one Triton
+        kernel over flat buffers): AdamW on the fused path with kernels resolving to "triton".
+        Every other run keeps its optimizer; a parallel mode never runs the fused path, so it
+        keeps AdamW."""
+        return (self.runs_fused and self.optimizer == "adamw"
+                and resolve_kernels(self.kernels, self.device, self.dtype) == "triton")
 
     def _check_fast_options(self) -> None:
         """The options of gptlab.fast: ValueError naming the conflict."""

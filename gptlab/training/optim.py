@@ -20,12 +20,15 @@ SGD with momentum, torch.optim.SGD's formula (dampening 0; L2 weight decay added
     (Nesterov: θ_t = θ_{t-1} - η (d + μ b_t))
 
 The equations are written once, for one tensor: ``adamw_update`` and ``sgd_update``. Two front
-ends call them:
+ends call them (and the fused kernel is checked against ``adamw_update``):
 
 - ``AdamW`` and ``SGD`` are functional, over a flat dict of arrays (NumPy, torch, any array API
   library): ``step(params, grads, lr)`` returns a new dict and never mutates its inputs; the
   object holds only its state (moments and step count), which ``state_dict`` and
   ``load_state_dict`` move in and out of checkpoints. ``decay_filter`` picks the decayed names.
+- ``FusedAdamW`` is ``AdamW`` as one Triton kernel launch over every parameter
+  (``gptlab.kernels.adamw``, chapter 23): the master weights, moments, gradients and compute
+  copies are flat buffers (``gptlab.fast.FlatParams``), updated in place; same state format.
 - ``TorchAdamW`` and ``TorchSGD`` are ``torch.optim.Optimizer``s: built over
   ``module.parameters()`` or parameter groups (``param_groups`` makes the usual "decay the
   matrices only" pair), updated in place from ``p.grad`` by ``step(closure=None)``, with
@@ -44,6 +47,7 @@ import torch
 
 from ..backend import array_namespace, asarray_like
 from ..checks import check_adamw_hyperparameters, check_sgd_hyperparameters
+from ..fast import FlatGrads, FlatParams, triton_refusal
 
 DecayFilter = Callable[[str, object], bool]
 
@@ -113,10 +117,16 @@ class _Optimizer:
         self.weight_decay = weight_decay
         self.decay = {name: decay_filter(name, x) for name, x in params.items()}
         self.step_count = 0
-        self.state = {
-            f"{buf}.{name}": array_namespace(x).zeros_like(x)
-            for buf in self.buffers for name, x in params.items()
-        }  # fmt: skip
+        self.state = self._zero_state(params)
+
+    def _zero_state(self, params: dict) -> dict:
+        """"<buffer>.<name>" -> zeros like the parameter: m_0 = v_0 = b_0 = 0."""
+        return {f"{buf}.{name}": array_namespace(x).zeros_like(x)
+                for buf in self.buffers for name, x in params.items()}  # fmt: skip
+
+    def _set_state(self, key: str, saved) -> None:
+        """Take a saved moment buffer, moved to the backend, dtype and device of the state's."""
+        self.state[key] = asarray_like(saved, self.state[key])
 
     def _start_step(self, params: dict, grads: dict, lr: float | None) -> float:
         """Check the names, count the step; the learning rate of this step."""
@@ -146,7 +156,8 @@ class _Optimizer:
             if tuple(saved[key].shape) != tuple(like.shape):
                 raise ValueError(f"optimizer state {key} has shape {tuple(saved[key].shape)}, "
                                  f"expected {tuple(like.shape)}")
-            self.state[key] = asarray_like(saved[key], like)
+        for key in self.state:
+            self._set_state(key, saved[key])
         self.step_count = int(state_dict["step"])
 
 
@@ -174,6 +185,72 @@ class AdamW(_Optimizer):
                 step=self.step_count, lr=lr, betas=self.betas, eps=self.eps,
                 weight_decay=self._weight_decay(name))
         return new
+
+
+class FusedAdamW(AdamW):
+    """AdamW over ``gptlab.fast.FlatParams`` as ONE Triton kernel launch per update
+    (``gptlab.kernels.adamw``; book: chapter 23, "The fused optimizer"). The update is
+    ``adamw_update``'s, the equations of the module docstring, on the float32 master weights and
+    moments; the kernel reads the gradients where the backward left them (``FlatGrads``, in the
+    compute dtype), multiplies in their scale (the clip factor, float16's 1 / loss scale) as it
+    reads them, and writes the bfloat16/float16 compute copies in the same pass.
+
+    The moments m and v are two flat float32 buffers in the layout of the parameters, the
+    decayed names first (``FlatParams(params, precision, decayed=decay_filter)``, the same
+    filter). ``state_dict`` and ``load_state_dict`` are ``AdamW``'s, "m.<name>" and "v.<name>"
+    (views of the flat buffers; a load copies into them): a checkpoint of one resumes with the
+    other. ``step(params, grads, lr)`` updates ``params`` IN PLACE and returns it, where
+    ``AdamW.step`` returns a new dict.
+
+    One process only: a parallel mode never runs the fused path (``TrainConfig.runs_fused``), so
+    the training loop gives it ``AdamW`` (``TrainConfig.fused_optimizer``). Needs Triton where
+    the masters lie: CUDA, or the CPU under the interpreter (``TRITON_INTERPRET=1``).
+    """
+
+    def __init__(self, params, lr: float = 6e-4, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.1,
+                 decay_filter: DecayFilter = matrices_only):
+        if not isinstance(params, FlatParams):
+            raise TypeError(f"FusedAdamW updates a gptlab.fast.FlatParams, got "
+                            f"{type(params).__name__}: use AdamW for a dict of arrays")
+        reason = triton_refusal(params.master.device)
+        if reason is not None:
+            raise RuntimeError(f"FusedAdamW runs a Triton kernel, which cannot run here: {reason}; "
+                               "use AdamW")
+        super().__init__(params, lr, betas, eps, weight_decay, decay_filter)
+        flags = [self.decay[name] for name in params]  # the layout: True first, then False
+        decayed = sum(params[name].numel() for name in params if self.decay[name])
+        if flags != sorted(flags, reverse=True) or decayed != params.n_decayed:
+            raise ValueError("the FlatParams were laid out for another decay filter: make them "
+                             "with FlatParams(params, precision, decayed=decay_filter), the "
+                             "optimizer's filter")
+        self.params = params
+
+    def _zero_state(self, params) -> dict:
+        self.m, self.v = torch.zeros_like(params.master), torch.zeros_like(params.master)  # (n,)
+        views = {"m": params.views(self.m), "v": params.views(self.v)}
+        return {f"{buf}.{name}": views[buf][name] for buf in self.buffers for name in params}
+
+    def _set_state(self, key: str, saved) -> None:
+        self.state[key].copy_(asarray_like(saved, self.state[key]))  # into the flat buffer
+
+    def step(self, params, grads, lr: float | None = None):
+        """One update of every parameter, one launch, in place: returns ``params``, which must
+        be the FlatParams the optimizer was built over; ``grads``: the FlatGrads of a FlatStep
+        over them. ``lr`` overrides ``self.lr``."""
+        from ..kernels.adamw import adamw_update as fused_adamw_update  # imports Triton
+
+        if params is not self.params or not (isinstance(grads, FlatGrads)
+                                             and grads.params is params):
+            raise ValueError("FusedAdamW.step takes the FlatParams it was built over and the "
+                             "FlatGrads of a FlatStep over them")
+        fused_adamw_update(params.master, params.grad, self.m, self.v, step=self.step_count + 1,
+                           lr=self.lr if lr is None else lr, betas=self.betas, eps=self.eps,
+                           weight_decay=self.weight_decay, compute=params.compute,
+                           grad_scale=grads.scale, decayed=params.n_decayed)
+        self.step_count += 1  # counted once the update is in (bad input raises before it)
+        params.copies_written()
+        return params
 
 
 class SGD(_Optimizer):
@@ -310,15 +387,23 @@ class TorchSGD(_TorchOptimizer):
         return theta
 
 
+def decay_filter_of(cfg) -> DecayFilter:
+    """The names ``cfg`` (a TrainConfig) decays: the matrices, and wpe if asked."""
+    return matrices_and_positions if cfg.decay_position_embeddings else matrices_only
+
+
 def make_optimizer(cfg, params: dict):
-    """AdamW or SGD as ``cfg`` (a TrainConfig) asks, decaying the matrices (and wpe if asked)."""
-    decay_filter = matrices_and_positions if cfg.decay_position_embeddings else matrices_only
+    """AdamW or SGD as ``cfg`` (a TrainConfig) asks, decaying the matrices (and wpe if asked);
+    FusedAdamW for AdamW over a ``gptlab.fast.FlatParams`` (``TrainConfig.fused_optimizer``)."""
+    decay_filter = decay_filter_of(cfg)
     if cfg.optimizer == "adamw":
-        return AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+        adamw = FusedAdamW if isinstance(params, FlatParams) else AdamW
+        return adamw(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                      weight_decay=cfg.weight_decay, decay_filter=decay_filter)
     return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                decay_filter=decay_filter)
 
 
-__all__ = ["AdamW", "SGD", "TorchAdamW", "TorchSGD", "adamw_update", "sgd_update", "make_optimizer",
-           "param_groups", "matrices_only", "matrices_and_positions", "DecayFilter"]
+__all__ = ["AdamW", "FusedAdamW", "SGD", "TorchAdamW", "TorchSGD", "adamw_update", "sgd_update",
+           "make_optimizer", "param_groups", "matrices_only", "matrices_and_positions",
+           "decay_filter_of", "DecayFilter"]

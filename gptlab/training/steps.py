@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import GPTConfig
-from ..fast import FastStep, LossScaler
+from ..fast import FastStep, FlatStep, LossScaler
 from ..model import gpt_forward, loss_and_grads
 from .config import TrainConfig
 from .parallel import mode_class
@@ -60,6 +60,19 @@ def loss_functions(cfg: TrainConfig, model_cfg: GPTConfig, scaler: LossScaler | 
     return train_loss, eval_loss
 
 
+def flat_train_loss(cfg: TrainConfig, model_cfg: GPTConfig, scaler: LossScaler | None):
+    """loss_and_grads(params, x, y, dropout_seed) -> (float, FlatGrads or None) of a run whose
+    update is the fused AdamW (``TrainConfig.fused_optimizer``): a ``FlatStep`` over the run's
+    ``gptlab.fast.FlatParams``, leaving the gradients where the update reads them."""
+    step = FlatStep(model_cfg, cfg.precision, attention=cfg.attention, classifier=cfg.classifier,
+                    recompute=cfg.recompute, scaler=scaler, kernels=cfg.kernels)
+
+    def train_loss(params, x, y, seed):  # grads None: float16 overflowed, no update
+        return step(params, x, y)
+
+    return train_loss
+
+
 class OneProcess(Replicated):
     """The one-process run as a parallel mode of one rank (any backend, the autograd path too),
     so that the loop drives every run the same way."""
@@ -78,4 +91,4 @@ def make_mode(cfg: TrainConfig, model_cfg: GPTConfig, params: dict, train_loss):
     return mode_class(cfg.parallel)(model_cfg, params, **options)
 
 
-__all__ = ["dropout_seed", "loss_functions", "make_mode", "OneProcess"]
+__all__ = ["dropout_seed", "loss_functions", "flat_train_loss", "make_mode", "OneProcess"]

@@ -17,6 +17,11 @@ The fused path's options: ``recompute``, ``attention="flash"``, ``classifier="ch
 ``precision="bfloat16"`` or ``"float16"`` from float32 master weights (a float16 step whose
 scaled gradients overflow is skipped; the loss scale and its counts are checkpointed, so a
 resumed run goes on with the same scale).
+With ``kernels`` resolving to "triton" (on CUDA by default) and AdamW, the update is
+``FusedAdamW``: one Triton kernel over flat buffers (``gptlab.fast.FlatParams``) that reads the
+gradients where the backward left them, applies the clip factor and float16's loss scale as it
+reads them, and writes the compute copies in the same pass; its checkpoints are AdamW's, so a run
+resumes with either.
 Everything random is a function of ``seed`` (batches from a saved ``numpy.random.Generator``,
 dropout from (seed, step), evaluation batches fixed per split), so a run stopped at a checkpoint
 and resumed ends with the same weights as a run that never stopped.
@@ -54,7 +59,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..config import GPTConfig
-from ..fast import LossScaler
+from ..fast import FlatParams, LossScaler
 from ..model import init_params
 from ..tokenizers.char import Tokenizer
 from .checkpoint import STATE_FILE, read_state, save_run_checkpoint
@@ -62,14 +67,14 @@ from .config import TrainConfig
 from .data import EMBEDDED, get_batch, load_text, make_tokenizer, split_train_val
 from .log import write_log
 from .metrics import batch_losses
-from .optim import make_optimizer
+from .optim import decay_filter_of, make_optimizer
 from .parallel.base import clipped_grads, rank_and_world
 from .parallel.checkpoint import load_run, save_sharded, shard_optimizer_state
 from .parallel.launch import init_process_group, launch, under_launcher
 from .resume import check_resume
 from .schedule import make_schedule
 from .start import check_start, claim_out_dir, torch_threads
-from .steps import dropout_seed, loss_functions, make_mode
+from .steps import dropout_seed, flat_train_loss, loss_functions, make_mode
 
 
 class TrainingDiverged(RuntimeError):
@@ -159,8 +164,11 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
         if cfg.resume and ckpt.state.get("loss_scaler") is not None:
             scaler.load_state_dict(ckpt.state["loss_scaler"])
     train_loss, eval_loss = loss_functions(cfg, model_cfg, scaler)
+    if cfg.fused_optimizer:  # masters, compute copies, gradients: one flat buffer each
+        params = FlatParams(params, cfg.precision, decayed=decay_filter_of(cfg))
+        train_loss = flat_train_loss(cfg, model_cfg, scaler)
     mode = make_mode(cfg, model_cfg, params, train_loss)
-    optimizer = make_optimizer(cfg, mode.params)
+    optimizer = make_optimizer(cfg, mode.params)  # (FusedAdamW over FlatParams)
     if cfg.resume:  # moments saved whole, cut to this mode's layout
         optimizer.load_state_dict(shard_optimizer_state(mode, ckpt.optimizer_state))
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ...config import GPTConfig
+from ...fast import FlatGrads
 from ...model import check_params, loss_and_grads, param_shapes
 from ..schedule import clip_grad_norm, global_norm
 
@@ -117,11 +118,19 @@ def clipped_grads(mode, idx, targets, grad_clip: float = 0.0, **options):
     """The training loop's step before the update: (loss, grads clipped to a global norm of
     ``grad_clip`` when it is > 0, the global norm before clipping; grads None and norm nan when
     the mode skipped the step). ``options`` go to the mode's
-    loss_and_grads (dropout_seed). The update is then
+    loss_and_grads (dropout_seed). A step over ``gptlab.fast.FlatParams`` gives ``FlatGrads``:
+    clipping multiplies their ``scale``, and the fused update applies it. The update is then
     ``mode.params = optimizer.step(mode.params, grads, lr=lr)``."""
     loss, grads = mode.loss_and_grads(idx, targets, **options)
     if grads is None:  # a mixed-precision step skipped on overflow (gptlab.fast.FastStep)
         return loss, None, math.nan
+    if isinstance(grads, FlatGrads):  # the fused AdamW's g = scale * flat: clipping g is
+        norm = grads.norm()  # clipping the one number scale, which the update multiplies in
+        if grad_clip > 0:
+            factor = {"scale": grads.scale}
+            clip_grad_norm(factor, grad_clip, norm=norm)  # times clip_grad_norm's factor
+            grads.scale = factor["scale"]
+        return loss, grads, norm
     norm = mode.grad_norm(grads)
     if grad_clip > 0:
         clip_grad_norm(grads, grad_clip, norm=norm)
