@@ -37,7 +37,7 @@ TRAIN_GROUPS = {
                                    "checkpoint_interval", "resume"),
     "runtime": ("backend", "device", "dtype", "threads", "seed"),
     "speed and memory (gptlab.fast)": ("fused", "recompute", "attention", "classifier",
-                                       "precision", "kernels", "loss_scale_interval"),
+                                       "precision", "kernels", "cuda_graph", "loss_scale_interval"),
     "parallel": ("parallel", "nproc", "accum_steps"),
 }
 ALIASES = {"lr": ("--learning-rate",)}  # the names other trainers (Hugging Face's) use

@@ -46,6 +46,7 @@ import math
 
 import torch
 
+from .backend import capture_cuda_graph
 from .config import GPTConfig
 from .layers.chunked_classifier import chunked_classifier_forward
 from .layers.flash_attention import flash_attention_backward, flash_attention_forward
@@ -666,10 +667,7 @@ class FlatStep(FastStep):
     """
 
     def __call__(self, params: FlatParams, idx, targets):
-        if not (isinstance(params, FlatParams) and params.precision == self.precision):
-            got = params.precision if isinstance(params, FlatParams) else type(params).__name__
-            raise ValueError(f"FlatStep runs on FlatParams of precision={self.precision!r}, got "
-                             f"{got}")
+        self._check_flat(params)
         scale = 1.0 if self.scaler is None else self.scaler.scale
         loss, _ = fast_loss_and_grads(params.compute_weights(), idx, targets, self.cfg,
                                       params.grads, loss_scale=scale, **self.options)
@@ -679,7 +677,73 @@ class FlatStep(FastStep):
                 return loss, None
         return loss, FlatGrads(params, 1.0 / scale)
 
+    def _check_flat(self, params) -> None:
+        if not (isinstance(params, FlatParams) and params.precision == self.precision):
+            got = params.precision if isinstance(params, FlatParams) else type(params).__name__
+            raise ValueError(f"{type(self).__name__} runs on FlatParams of "
+                             f"precision={self.precision!r}, got {got}")
 
-__all__ = ["fast_loss_and_grads", "new_grad_buffers", "check_fast_config", "LossScaler",
-           "FastStep", "FlatParams", "FlatGrads", "FlatStep", "resolve_kernels", "ATTENTIONS",
-           "CLASSIFIERS", "PRECISIONS", "KERNELS"]
+
+class GraphStep(FlatStep):
+    """``FlatStep`` with its forward and backward captured once as a CUDA graph and replayed at
+    every step: one launch from the host where the eager step makes some hundreds.
+
+    What makes the step capturable: ``FlatParams`` keeps the weights, the compute copies and the
+    gradients at fixed addresses; the batch is copied into buffers of its own; and the body,
+    ``forward_backward_``, reads nothing back to the host (the inputs are checked before it, the
+    loss stays on the device until the replay is over). A replay runs the kernels with the
+    arguments they were captured with, so whatever changes between steps must live in memory:
+    float16's loss scale does not (refused; bfloat16 needs none). The graph is captured again for
+    another FlatParams or a batch of another shape. The body must be Triton's (kernels="triton")
+    or the torch ops with attention="sdpa" and classifier="full": the layers' flash attention and
+    chunked classifier check their inputs on the host.
+
+    On CUDA tensors the graph is captured at the first call; anywhere else the same body runs
+    eagerly through the same buffers, which is how a machine without a GPU checks it.
+    """
+
+    def __init__(self, cfg: GPTConfig, precision: str = "float32", **options):
+        if precision == "float16":
+            raise ValueError("a CUDA graph replays float16's loss scale as it was captured, but "
+                             "the scale changes between steps: use precision='bfloat16'")
+        super().__init__(cfg, precision, **options)
+        checked = [f"{name}={options[name]!r}" for name, fused in (("attention", "sdpa"),
+                                                                  ("classifier", "full"))
+                   if options.get(name, fused) != fused]  # fmt: skip
+        if options.get("kernels") == "torch" and checked:
+            raise ValueError(f"with kernels='torch', {checked[0]} runs a layer that checks its "
+                             "inputs on the host, which a CUDA graph cannot hold: use "
+                             "kernels='triton'")
+        self.graph = self.key = None
+
+    def __call__(self, params: FlatParams, idx, targets):
+        self._check_flat(params)
+        weights = params.compute_weights()  # the compute copies, rewritten here if stale
+        attention = self.options.get("attention", "sdpa")
+        classifier = self.options.get("classifier", "full")
+        _check_call(weights, idx, targets, self.cfg, params.grads, attention, classifier)
+        key = (id(params), tuple(idx.shape), idx.device)
+        if key != self.key:  # new buffers for the batch, and a new graph
+            self.key, self.graph = key, None
+            self.idx = torch.empty(idx.shape, dtype=torch.int64, device=idx.device)  # (B, T)
+            self.targets = torch.empty_like(self.idx)  # (B, T)
+            kernels = resolve_kernels(self.options.get("kernels", "auto"),
+                                      weights["wte.weight"].device, self.dtype)  # fmt: skip
+            options = {"recompute": False, **self.options, "attention": attention,
+                       "classifier": classifier, "kernels": kernels}
+            self.body = functools.partial(forward_backward_, weights, self.idx, self.targets,
+                                          self.cfg, params.grads, loss_scale=1.0, **options)
+        self.idx.copy_(idx)
+        self.targets.copy_(targets)
+        if self.graph is None and idx.device.type == "cuda":
+            self.graph, (self.loss, _) = capture_cuda_graph(self.body)
+        if self.graph is None:
+            self.loss, _ = self.body()  # (), eagerly: no CUDA here
+        else:
+            self.graph.replay()  # rewrites self.loss and params.grad
+        return float(self.loss), FlatGrads(params, 1.0)
+
+
+__all__ = ["fast_loss_and_grads", "forward_backward_", "new_grad_buffers", "check_fast_config",
+           "LossScaler", "FastStep", "FlatParams", "FlatGrads", "FlatStep", "GraphStep",
+           "resolve_kernels", "ATTENTIONS", "CLASSIFIERS", "PRECISIONS", "KERNELS"]

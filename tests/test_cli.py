@@ -51,6 +51,7 @@ AUTOGRAD_RUN = dict(
     resume=True, backend="autograd", device="cuda:1", dtype="float64", threads=3, seed=7,
     parallel="none", nproc=1, accum_steps=1, fused=False, recompute=False, attention="sdpa",
     classifier="full", precision="float32", loss_scale_interval=1000, kernels="torch",
+    cuda_graph=False,
 )
 NUMPY_RUN = dict(AUTOGRAD_RUN, backend="numpy", device="cpu", dropout=0.1, threads=None,
                  bias=True, mlp="moe", n_expert=4, expert_top_k=1, capacity_factor=1.5,
@@ -61,6 +62,8 @@ FAST_RUN = dict(AUTOGRAD_RUN, backend="torch", dtype="float32", position="learne
                 norm="layernorm", mlp="gelu", n_kv_head=None, tie_embeddings=True, fused=True,
                 recompute=True, attention="flash", classifier="chunked", precision="float16",
                 loss_scale_interval=50)  # the fused path covers GPT-2's models
+GRAPH_RUN = dict(FAST_RUN, device="cpu", optimizer="adamw", precision="bfloat16", kernels="triton",
+                 cuda_graph=True)  # the fused AdamW's step as a CUDA graph (eager on a CPU)
 
 
 def subcommand(name: str) -> argparse.ArgumentParser:
@@ -160,15 +163,15 @@ def test_a_stored_config_with_the_old_spelling_loads():
 
 def test_every_field_has_an_option_and_the_defaults_match():
     assert config_from_args(build_parser().parse_args(["train"])) == TrainConfig()
-    changed = {name for run in (AUTOGRAD_RUN, NUMPY_RUN, PARALLEL_RUN, FAST_RUN)
+    changed = {name for run in (AUTOGRAD_RUN, NUMPY_RUN, PARALLEL_RUN, FAST_RUN, GRAPH_RUN)
                for name, value in run.items()
                if value != getattr(TrainConfig(), name)}
     assert changed == set(FIELDS) == set(AUTOGRAD_RUN)
 
 
 @pytest.mark.parametrize("sep", ["-", "_"], ids=["hyphens", "underscores"])
-@pytest.mark.parametrize("values", [AUTOGRAD_RUN, NUMPY_RUN, PARALLEL_RUN, FAST_RUN],
-                         ids=["autograd", "numpy", "parallel", "fast"])
+@pytest.mark.parametrize("values", [AUTOGRAD_RUN, NUMPY_RUN, PARALLEL_RUN, FAST_RUN, GRAPH_RUN],
+                         ids=["autograd", "numpy", "parallel", "fast", "graph"])
 def test_config_to_argv_to_config_round_trips(values, sep):
     cfg = TrainConfig(**values)
     argv = ["train", *_cli_args(sep, **asdict(cfg))]

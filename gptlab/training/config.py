@@ -138,6 +138,10 @@ class TrainConfig:
                            "GELU, flash attention, the classifier and AdamW as Triton kernels "
                            "(gptlab/kernels); auto: triton on CUDA when Triton imports, torch "
                            "elsewhere", choices=KERNELS)
+    cuda_graph: bool = setting(False, "capture the fused step's forward and backward once as a "
+                               "CUDA graph and replay it at every step (needs the fused AdamW: "
+                               "--fused, kernels triton, adamw, one process; not float16); "
+                               "elsewhere than CUDA the same step runs eagerly")
     loss_scale_interval: int = setting(1000, "float16: good steps in a row before the loss "
                                        "scale doubles")
     # parallel training (gptlab.training.parallel)
@@ -271,6 +275,13 @@ class TrainConfig:
                 raise ValueError("kernels='triton' runs on the fused path: add fused=True "
                                  "(--fused)")
             resolve_kernels("triton", self.device, self.dtype)
+        if self.cuda_graph and not self.fused_optimizer:
+            raise ValueError("cuda_graph=True replays the step of the fused AdamW: it needs "
+                             "fused=True, kernels resolving to 'triton', optimizer='adamw' and "
+                             "parallel='none'")
+        if self.cuda_graph and self.precision == "float16":
+            raise ValueError("cuda_graph=True cannot replay float16's changing loss scale: use "
+                             "precision='bfloat16'")
         if self.loss_scale_interval < 1:
             raise ValueError(f"TrainConfig.loss_scale_interval must be >= 1, got "
                              f"{self.loss_scale_interval!r}")

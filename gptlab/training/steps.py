@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import GPTConfig
-from ..fast import FastStep, FlatStep, LossScaler
+from ..fast import FastStep, FlatStep, GraphStep, LossScaler
 from ..model import gpt_forward, loss_and_grads
 from .config import TrainConfig
 from .parallel import mode_class
@@ -62,10 +62,15 @@ def loss_functions(cfg: TrainConfig, model_cfg: GPTConfig, scaler: LossScaler | 
 
 def flat_train_loss(cfg: TrainConfig, model_cfg: GPTConfig, scaler: LossScaler | None):
     """loss_and_grads(params, x, y, dropout_seed) -> (float, FlatGrads or None) of a run whose
-    update is the fused AdamW (``TrainConfig.fused_optimizer``): a ``FlatStep`` over the run's
-    ``gptlab.fast.FlatParams``, leaving the gradients where the update reads them."""
-    step = FlatStep(model_cfg, cfg.precision, attention=cfg.attention, classifier=cfg.classifier,
-                    recompute=cfg.recompute, scaler=scaler, kernels=cfg.kernels)
+    update is the fused AdamW (``TrainConfig.fused_optimizer``): a ``FlatStep`` (a ``GraphStep``
+    with ``cuda_graph``) over the run's ``gptlab.fast.FlatParams``, leaving the gradients where
+    the update reads them."""
+    options = dict(attention=cfg.attention, classifier=cfg.classifier, recompute=cfg.recompute,
+                   kernels=cfg.kernels)
+    if cfg.cuda_graph:  # the same step, replayed as one CUDA graph (float16 refused)
+        step = GraphStep(model_cfg, cfg.precision, **options)
+    else:
+        step = FlatStep(model_cfg, cfg.precision, scaler=scaler, **options)
 
     def train_loss(params, x, y, seed):  # grads None: float16 overflowed, no update
         return step(params, x, y)
