@@ -10,6 +10,8 @@ Needs a CUDA device: without one it says so and exits 0, measuring nothing.
    sequences of random ids. Contenders, each in bfloat16 (float32 master weights; nanoGPT: bf16
    autocast) and in float32 (TF32 matmuls on for everyone):
    - gptlab Triton: ``FastStep(kernels="triton")``, the kernels of ``gptlab/kernels``;
+   - gptlab Triton, CUDA graph: ``GraphStep`` over ``FlatParams``, the same step replayed as
+     one CUDA graph;
    - gptlab torch ops: ``FastStep(kernels="torch")``, the fused path of chapter 14;
    - gptlab readable (float32 only): ``gptlab.model.loss_and_grads``, the layer functions;
    - autograd (float32 only): ``gptlab.reference`` differentiated by ``torch.autograd.grad``;
@@ -40,6 +42,13 @@ Needs a CUDA device: without one it says so and exits 0, measuring nothing.
    included), median of ``--generate-rounds`` interleaved rounds after a warm-up, and whether the
    ids equal ``generate``'s.
 
+5. The whole update of the step part's model and batch (``--parts update``): forward, backward,
+   the gradients clipped to norm 1, AdamW (lr 6e-4, weight decay 0.1 on the matrices): gptlab
+   Triton with torch-ops ``AdamW`` (one update per tensor), with the fused AdamW (``FlatStep``,
+   ``FusedAdamW``: one launch), and with the fused AdamW after a CUDA graph (``GraphStep``),
+   against nanoGPT eager and compiled with ``torch.optim.AdamW(fused=True)`` and
+   ``clip_grad_norm_``, as its train.py steps.
+
 A contender that fails (a kernel that does not compile on this GPU, say) is reported with its
 error and left out of the tables, instead of ending the run. ``--parts`` runs a subset.
 
@@ -67,15 +76,18 @@ import torch.nn.functional as F
 from bench_memory import paired_times, peak_bytes  # benchmarks/bench_memory.py
 from machine import machine_info, report  # benchmarks/machine.py (the script's own folder)
 from gptlab.config import GPTConfig
-from gptlab.fast import FastStep
+from gptlab.fast import FastStep, FlatParams, FlatStep, GraphStep
 from gptlab.model import init_params, loss_and_grads
 from gptlab.reference.torch_gpt import reference_forward
+from gptlab.training.optim import AdamW, FusedAdamW, matrices_only
+from gptlab.training.parallel.base import clipped_grads
+from gptlab.training.steps import OneProcess
 
 GPT2 = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024, bias=False,
             gelu="erf")  # fmt: skip
 ATTENTION_T = (1024, 2048, 4096, 8192, 16384)
 GiB = 2**30
-PARTS = ("step", "attention", "char", "generate")
+PARTS = ("step", "attention", "char", "generate", "update")
 GPT2_RELEASED = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)
 NEW_TOKENS = 256
 CHAR = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, max_iters=300,
@@ -119,6 +131,8 @@ def gptlab_steps(cfg, params, idx, targets, precision: str) -> dict:
     steps = {f"gptlab {kernels}": FastStep(cfg, precision, kernels=kernels)
              for kernels in ("triton", "torch")}  # fmt: skip
     steps = {name: (lambda step=step: step(params, idx, targets)) for name, step in steps.items()}
+    flat, graph = FlatParams(params, precision, decayed=matrices_only), GraphStep(cfg, precision)
+    steps["gptlab triton, CUDA graph"] = lambda: graph(flat, idx, targets)
     if precision == "float32":
         leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
         steps["gptlab readable"] = lambda: loss_and_grads(params, idx, targets, cfg)
@@ -127,14 +141,21 @@ def gptlab_steps(cfg, params, idx, targets, precision: str) -> dict:
     return steps
 
 
+def nanogpt_model(checkout: Path):
+    """nanoGPT's model module from the checkout, and its GPTConfig of the step part's model."""
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    nano = importlib.import_module("model")
+    config = nano.GPTConfig(**{k: GPT2[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size",
+                                                    "block_size", "bias")}, dropout=0.0)
+    return nano, config
+
+
 def nanogpt_steps(checkout: Path | None, idx, targets, precision: str) -> dict:
     """nanoGPT's model.py, eager and compiled, as its train.py runs it (bf16: autocast)."""
     if checkout is None:
         return {}
-    sys.path.insert(0, str(checkout))
-    nano = importlib.import_module("model")
-    config = nano.GPTConfig(**{k: GPT2[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size",
-                                                    "block_size", "bias")}, dropout=0.0)
+    nano, config = nanogpt_model(checkout)
     model = nano.GPT(config).cuda()
     compiled = torch.compile(model)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bfloat16")
@@ -171,6 +192,77 @@ def run_steps(args, cfg, peak: float, failures: list) -> list[dict]:
                          "mfu": flops_per_token(cfg, n_params) * tokens / median / 1e12 / peak,
                          "peak_gib": memory[name] / GiB})
         print(f"{precision}: done", flush=True)
+    return rows
+
+
+def gptlab_updates(cfg, params, idx, targets, precision: str) -> dict:
+    """name -> one whole update of a gptlab run: forward, backward, clip to 1, AdamW."""
+    plain = {name: p.clone() for name, p in params.items()}
+    eager = FastStep(cfg, precision, kernels="triton")
+    plain_mode = OneProcess(plain, lambda p, x, y, seed: eager(p, x, y))
+    plain_adamw = AdamW(plain, lr=6e-4)
+    updates = {}
+
+    def torch_ops_adamw():
+        _, grads, _ = clipped_grads(plain_mode, idx, targets, 1.0)
+        plain_mode.params = plain_adamw.step(plain_mode.params, grads)
+
+    updates["gptlab triton + AdamW in torch ops"] = torch_ops_adamw
+    for name, step_class in (("gptlab triton + fused AdamW", FlatStep),
+                             ("gptlab triton, CUDA graph + fused AdamW", GraphStep)):
+        flat = FlatParams(params, precision, decayed=matrices_only)
+        step = step_class(cfg, precision, kernels="triton")
+        mode = OneProcess(flat, lambda p, x, y, seed, step=step: step(p, x, y))
+
+        def fused_adamw(mode=mode, adamw=FusedAdamW(flat, lr=6e-4)):
+            _, grads, _ = clipped_grads(mode, idx, targets, 1.0)
+            adamw.step(mode.params, grads)
+
+        updates[name] = fused_adamw
+    return updates
+
+
+def nanogpt_updates(checkout: Path | None, idx, targets, precision: str) -> dict:
+    """nanoGPT's train.py step: autocast forward, backward, clip_grad_norm_(1.0), fused AdamW."""
+    if checkout is None:
+        return {}
+    nano, config = nanogpt_model(checkout)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bfloat16")
+    updates = {}
+    for name, compiled in (("nanoGPT eager", False), ("nanoGPT compiled", True)):
+        model = nano.GPT(config).cuda()
+        adamw = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), "cuda")  # fused on CUDA
+        module = torch.compile(model) if compiled else model
+
+        def update(module=module, model=model, adamw=adamw):
+            with autocast:
+                _, loss = module(idx, targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            adamw.step()
+            adamw.zero_grad(set_to_none=True)
+
+        updates[name + " + fused AdamW"] = update
+    return updates
+
+
+def run_updates(args, cfg, failures: list) -> list[dict]:
+    params = init_params(cfg, seed=0, backend="torch", dtype="float32", device="cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    idx, targets = (torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size),
+                                  generator=gen).cuda() for _ in range(2))  # fmt: skip
+    rows = []
+    for precision in args.precisions:
+        updates = {**gptlab_updates(cfg, params, idx, targets, precision),
+                   **nanogpt_updates(args.nanogpt, idx, targets, precision)}  # fmt: skip
+        updates = working(updates, failures, f"update {precision}")
+        paired_times(updates, 2, "cuda")  # warm-up (nanoGPT compiled's recompiles included)
+        seconds = paired_times(updates, args.rounds, "cuda")
+        for name, times in seconds.items():
+            median = statistics.median(times)
+            rows.append({"precision": precision, "contender": name, "ms": 1e3 * median,
+                         "tokens_per_s": args.batch * cfg.block_size / median})
+        print(f"update {precision}: done", flush=True)
     return rows
 
 
@@ -354,6 +446,7 @@ def run(args) -> dict:
            "attention": run_attention(failures) if "attention" in args.parts else []}
     res["char"] = run_char(args, failures) if "char" in args.parts else []
     res["generate"] = run_generate(args, failures) if "generate" in args.parts else []
+    res["update"] = run_updates(args, cfg, failures) if "update" in args.parts else []
     res["failures"] = failures
     return res
 
@@ -371,9 +464,13 @@ def goal_lines(res: dict) -> list[str]:
 
     triton16, nano16 = step.get(("bfloat16", "gptlab triton")), step.get(
         ("bfloat16", "nanoGPT compiled"))
+    graph16 = step.get(("bfloat16", "gptlab triton, CUDA graph"))
     if triton16 and nano16:
         ratio("bf16 step time, gptlab Triton / nanoGPT compiled", triton16["ms"], nano16["ms"],
               "1.0x")
+    if graph16 and nano16:
+        ratio("bf16 step time, gptlab Triton as a CUDA graph / nanoGPT compiled", graph16["ms"],
+              nano16["ms"], "1.0x")
         ratio("bf16 peak memory, gptlab Triton / nanoGPT compiled", triton16["peak_gib"],
               nano16["peak_gib"], "1.0x")
     triton32, autograd32 = (step.get(("float32", name)) for name in
@@ -428,6 +525,11 @@ def markdown(res: dict) -> str:
                   "| run | wall s | val loss |", "|---|---:|---:|"]
         lines += [f"| {r['contender']} | {r['wall_s']:.1f} | {r['val_loss']:.4f} |"
                   for r in res["char"]]
+    if res.get("update"):
+        lines += ["", "The whole update (forward, backward, clip, AdamW), ms and tokens/s:", "",
+                  "| precision | contender | ms / update | tokens/s |", "|---|---|---:|---:|"]
+        lines += [f"| {r['precision']} | {r['contender']} | {r['ms']:.1f} | "
+                  f"{r['tokens_per_s']:,.0f} |" for r in res["update"]]
     if res.get("generate"):
         lines += ["", f"Greedy generation, GPT-2 124M as released (random weights), batch 1, an "
                   f"8-token prompt and {NEW_TOKENS} new tokens, the whole call timed:", "",
