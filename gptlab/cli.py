@@ -136,6 +136,10 @@ def _add_sample_command(commands) -> None:
     option("--seed", 0, "seed of the sampling", type=int)
     option("--backend", "torch", "where the arithmetic runs", choices=("numpy", "torch"))
     option("--device", None, "torch device: cpu, cuda, cuda:1, mps...; none: cpu")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="decode with the static decoder, its step replayed as one CUDA graph "
+                             "per token (chapter 23): needs --device cuda, a model with learned or "
+                             "sinusoidal positions, and a text within the context")
 
 
 def _positive_int(text: str) -> int:
@@ -300,7 +304,7 @@ class TextStream:
 def run_sample(args: argparse.Namespace) -> int:
     from .config import check_device
     from .training.parallel.checkpoint import load_run
-    from .training.decode import StaticDecoder, static_decoder_fits
+    from .training.decode import StaticDecoder
     from .training.sample import _check_sampling, generate
 
     _check_sampling(args.temperature, args.top_k, args.top_p)
@@ -309,13 +313,18 @@ def run_sample(args: argparse.Namespace) -> int:
     if args.backend == "numpy" and args.device not in (None, "cpu"):
         raise ValueError(f"--device {args.device}: the numpy backend runs on the CPU only")
     check_device(args.device)
+    if args.cuda_graph and not (args.backend == "torch" and (args.device or "").startswith("cuda")):
+        raise ValueError("--cuda-graph replays the decode step on a GPU: it needs --backend torch "
+                         "and --device cuda")
     ckpt = load_run(args.checkpoint, backend=args.backend, device=args.device)
     prompt_ids = ckpt.tokenizer.encode(args.prompt)
+    decode = functools.partial(generate, ckpt.params, ckpt.model_config)
+    if args.cuda_graph:  # refused here, before any output, if the model or the text does not fit
+        decoder = StaticDecoder(ckpt.params, ckpt.model_config, cuda_graph=True)
+        decoder.check_fits(len(prompt_ids), args.max_new_tokens)
+        decode = decoder.generate
     stream = TextStream(ckpt.tokenizer)
     stream.write(args.prompt)
-    decode = functools.partial(generate, ckpt.params, ckpt.model_config)
-    if static_decoder_fits(ckpt.params, ckpt.model_config, len(prompt_ids), args.max_new_tokens):
-        decode = StaticDecoder(ckpt.params, ckpt.model_config).generate  # a CUDA graph per step
     try:
         decode(prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                top_p=args.top_p, seed=args.seed, on_token=stream)

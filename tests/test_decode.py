@@ -7,7 +7,8 @@ import torch
 from conftest import requires_cuda
 from gptlab import GPTConfig
 from gptlab.model import init_params
-from gptlab.training.decode import HostReads, StaticDecoder, static_decoder_fits
+from gptlab.cli import main
+from gptlab.training.decode import HostReads, StaticDecoder
 from gptlab.training.sample import generate
 
 VARIANTS = {
@@ -156,17 +157,19 @@ def test_bad_arguments_are_refused_before_any_step(prompt, n, kwargs, match):
     assert decoder.token is None  # nothing was allocated or run
 
 
-def test_the_command_line_takes_the_static_decoder_on_cuda_only():
-    params, cfg = tiny(dtype="float32")
-    assert not static_decoder_fits(params, cfg, 3, 10)  # a CPU: generate
+def test_the_command_line_refuses_cuda_graph_off_cuda_before_loading(tmp_path, capsys):
+    missing = str(tmp_path / "no-run-here")  # the refusal comes before the checkpoint is read
+    for device in ([], ["--device", "cpu"]):
+        assert main(["sample", "--checkpoint", missing, "--cuda-graph", *device]) == 2
+        assert "--cuda-graph replays the decode step on a GPU" in capsys.readouterr().err
 
 
-@requires_cuda
-def test_the_command_line_takes_the_static_decoder_when_it_fits():
-    params, cfg = tiny(dtype="float32", device="cuda")
-    assert static_decoder_fits(params, cfg, 3, 30) and not static_decoder_fits(params, cfg, 3, 31)
-    rope_params, rope = tiny(dtype="float32", device="cuda", position="rope")
-    assert not static_decoder_fits(rope_params, rope, 3, 10)
+def test_check_fits_counts_the_positions_a_text_needs():
+    params, cfg = tiny()
+    decoder = StaticDecoder(params, cfg, max_len=8)
+    decoder.check_fits(3, 6)  # 8 positions: the last new token is never fed
+    with pytest.raises(ValueError, match="need 9 cached positions, more than the decoder's 8"):
+        decoder.check_fits(3, 7)
 
 
 @requires_cuda

@@ -69,15 +69,6 @@ def static_refusal(cfg: GPTConfig) -> str | None:
     return None
 
 
-def static_decoder_fits(params: dict, cfg: GPTConfig, prompt_len: int, max_new_tokens: int) -> bool:
-    """Whether the command line's ``sample`` takes the static decoder: parameters on a CUDA
-    device, a model it covers, and a text that fits in block_size (else ``generate`` runs)."""
-    wte = params["wte.weight"]
-    if not (is_torch_array(wte) and wte.device.type == "cuda") or static_refusal(cfg):
-        return False
-    return prompt_len + max_new_tokens - 1 <= cfg.block_size
-
-
 class HostReads(TorchDispatchMode):
     """Inside ``with HostReads() as reads:``, ``reads.ops`` lists every torch op that reads a
     tensor's value back to the host (``.item()``, ``int(t)``, ``.tolist()``) or whose output shape
@@ -176,6 +167,15 @@ class StaticDecoder:
         self.graph.replay()
         return self.logits
 
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """ValueError unless a text of ``prompt_len`` + ``max_new_tokens`` fits in the cache (the
+        last new token is never fed: prompt_len + max_new_tokens - 1 positions)."""
+        if prompt_len + max_new_tokens - 1 > self.max_len:
+            raise ValueError(f"the prompt ({prompt_len} tokens) and max_new_tokens={max_new_tokens}"
+                             f" need {prompt_len + max_new_tokens - 1} cached positions, more than "
+                             f"the decoder's {self.max_len}; use generate, which crops the "
+                             "context to the last block_size tokens")  # fmt: skip
+
     def generate(self, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None,
                  stop_token: int | None = None, seed: int = 0, greedy: bool = False,
@@ -187,11 +187,7 @@ class StaticDecoder:
         params, cfg = self.params, self.cfg
         ids = check_generate_args(params, cfg, prompt_ids, max_new_tokens, temperature, top_k,
                                   top_p, stop_token)  # fmt: skip
-        if len(ids) + max_new_tokens > self.max_len + 1:
-            raise ValueError(f"the prompt ({len(ids)} tokens) and max_new_tokens={max_new_tokens} "
-                             f"need {len(ids) + max_new_tokens - 1} cached positions, more than "
-                             f"the decoder's {self.max_len}; use generate, which crops the "
-                             "context to the last block_size tokens")  # fmt: skip
+        self.check_fits(len(ids), max_new_tokens)
         if not (isinstance(check_every, int) and check_every >= 1):
             raise ValueError(f"check_every must be a positive integer, got {check_every!r}")
         if max_new_tokens == 0:
@@ -226,4 +222,4 @@ class StaticDecoder:
         return ids + new_ids
 
 
-__all__ = ["StaticDecoder", "HostReads", "static_refusal", "static_decoder_fits"]
+__all__ = ["StaticDecoder", "HostReads", "static_refusal"]
