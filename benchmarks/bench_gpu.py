@@ -94,6 +94,7 @@ CHAR = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, max_
             learning_rate=1e-3, min_lr=1e-4, warmup_iters=100, beta2=0.99, eval_iters=200)
 # (who, kernels or compile, precision), in the order they run
 CHAR_RUNS = (("gptlab", "triton", "bfloat16"), ("nanoGPT", "compiled", "bfloat16"),
+             ("gptlab", "triton, CUDA graph", "bfloat16"),
              ("gptlab", "torch", "bfloat16"), ("nanoGPT", "eager", "bfloat16"),
              ("gptlab", "triton", "float32"), ("nanoGPT", "eager", "float32"))
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -362,8 +363,10 @@ def last_val_loss_gptlab(out_dir: Path) -> float:
         return float(list(csv.DictReader(f))[-1]["val_loss"])
 
 
-def gptlab_char_command(data: Path, out_dir: Path, precision: str, kernels: str) -> list[str]:
+def gptlab_char_command(data: Path, out_dir: Path, precision: str, how: str) -> list[str]:
+    """``how``: the kernels ("triton", "torch"), or "triton, CUDA graph" (--cuda-graph)."""
     c = CHAR
+    kernels, graph = how.split(", ")[0], how.endswith("CUDA graph")
     return [sys.executable, "-m", "gptlab", "train", "--data", str(data), "--device", "cuda",
             "--n-layer", str(c["n_layer"]), "--n-head", str(c["n_head"]),
             "--n-embd", str(c["n_embd"]), "--block-size", str(c["block_size"]),
@@ -372,7 +375,8 @@ def gptlab_char_command(data: Path, out_dir: Path, precision: str, kernels: str)
             "--warmup-iters", str(c["warmup_iters"]), "--betas", "0.9", str(c["beta2"]),
             "--no-bias", "--gelu", "erf", "--dropout", "0", "--eval-interval", str(c["max_iters"]),
             "--eval-iters", str(c["eval_iters"]), "--checkpoint-interval", "0",
-            "--precision", precision, "--kernels", kernels, "--out-dir", str(out_dir), "--quiet"]
+            "--precision", precision, "--kernels", kernels, "--out-dir", str(out_dir), "--quiet",
+            *(["--cuda-graph"] if graph else [])]
 
 
 def nanogpt_char_command(compile_: bool, precision: str) -> list[str]:
@@ -401,7 +405,7 @@ def run_char(args, failures: list) -> list[dict]:
         runs = {}  # name -> (command, folder); gptlab and nanoGPT alternate
         for who, how, precision in CHAR_RUNS:
             if who == "gptlab":
-                out_dir = Path(tmp) / f"{how}-{precision}"
+                out_dir = Path(tmp) / f"{how.replace(', ', '-')}-{precision}".replace(" ", "_")
                 runs[f"gptlab {how}, {precision}"] = (
                     gptlab_char_command(args.data, out_dir, precision, how), None)
             elif args.nanogpt is not None:
@@ -482,10 +486,11 @@ def goal_lines(res: dict) -> list[str]:
         ratio(f"flash kernel / F.scaled_dot_product_attention at T = {T}",
               attention.get((T, "Triton flash")),
               attention.get((T, "F.scaled_dot_product_attention")), "1.3x")
-    for nano in ("compiled", "eager"):
-        ratio(f"char recipe wall time, gptlab Triton bf16 / nanoGPT {nano} bf16",
-              char.get("gptlab triton, bfloat16"),
-              char.get(f"nanoGPT train.py, {nano}, bfloat16"), "1.0x")
+    for gptlab, label in (("triton", "Triton"), ("triton, CUDA graph", "Triton as a CUDA graph")):
+        for nano in ("compiled", "eager"):
+            ratio(f"char recipe wall time, gptlab {label} bf16 / nanoGPT {nano} bf16",
+                  char.get(f"gptlab {gptlab}, bfloat16"),
+                  char.get(f"nanoGPT train.py, {nano}, bfloat16"), "1.0x")
     speed = {(r["precision"], r["contender"]): r["tokens_per_s"] for r in res.get("generate", [])}
     for precision in sorted({precision for precision, _ in speed}):
         graph = speed.get((precision, "gptlab StaticDecoder, CUDA graph"))
