@@ -269,11 +269,15 @@ def test_classifier_matches_the_chunked_layer(dtype):
         assert_close(g, w, dtype, name)
 
 
-def test_bias_gelu_and_classifier_refuse_tiles_that_are_not_powers_of_two():
+def test_bias_gelu_classifier_and_adamw_refuse_tiles_that_are_not_powers_of_two():
     h, wte = randn(0, 4, 8).float().to(DEVICE), randn(1, 37, 8).float().to(DEVICE)
     for tile in ("block_n", "block_h"):
         with pytest.raises(ValueError, match=f"{tile} must be a power of two"):
             bias_gelu.bias_gelu_forward(h, **{tile: 48})
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        theta = torch.zeros(8, device=DEVICE)
+        adamw.adamw_update(theta, theta, theta.clone(), theta.clone(), step=1, lr=0.1,
+                           betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, block=100)
     with pytest.raises(ValueError, match="block_v must be a power of two"):
         classifier.classifier_forward(randn(2, 4, 8).float().to(DEVICE), wte,
                                       torch.zeros(4, dtype=torch.int64, device=DEVICE), block_v=12)

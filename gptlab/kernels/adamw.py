@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_adamw_hyperparameters
-from .launch import check_tensors
+from .launch import check_tensors, check_tile
 
 
 @triton.jit
@@ -92,6 +92,7 @@ def adamw_update(theta, g, m, v, *, step: int, lr: float, betas: tuple[float, fl
     if compute is not None:
         named["compute"] = compute
     check_tensors(**named)
+    check_tile("block", block)
     for name, t in named.items():
         if t.shape != theta.shape or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous tensor of theta's shape "
