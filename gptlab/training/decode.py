@@ -194,8 +194,9 @@ class StaticDecoder:
             return ids
         if self.token is None:
             self._allocate()
-        if self.cuda_graph and self.graph is None:  # warm-up steps, then one captured step
-            self.graph, self.logits = capture_cuda_graph(self._step)
+        if self.cuda_graph and self.graph is None:
+            # one warm-up step: it feeds position 0, which a cache of any max_len has
+            self.graph, self.logits = capture_cuda_graph(self._step, warmups=1)
         self.k_cache.zero_()  # a fresh text: nothing cached, feeding starts at position 0
         self.v_cache.zero_()
         self.pos.zero_()
