@@ -722,9 +722,9 @@ class GraphStep(FlatStep):
         attention = self.options.get("attention", "sdpa")
         classifier = self.options.get("classifier", "full")
         _check_call(weights, idx, targets, self.cfg, params.grads, attention, classifier)
-        key = (id(params), tuple(idx.shape), idx.device)
-        if key != self.key:  # new buffers for the batch, and a new graph
-            self.key, self.graph = key, None
+        key = (params, tuple(idx.shape), idx.device)  # holds params: its buffers stay put
+        if self.key is None or key[0] is not self.key[0] or key[1:] != self.key[1:]:
+            self.key, self.graph = key, None  # new buffers for the batch, and a new graph
             self.idx = torch.empty(idx.shape, dtype=torch.int64, device=idx.device)  # (B, T)
             self.targets = torch.empty_like(self.idx)  # (B, T)
             kernels = resolve_kernels(self.options.get("kernels", "auto"),
