@@ -14,6 +14,8 @@ place is 2^-8).
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -24,10 +26,15 @@ triton = pytest.importorskip("triton", reason="Triton does not import on this ma
 from gptlab import GPTConfig, init_params  # noqa: E402
 from gptlab.fast import FastStep, FlatGrads, FlatParams, FlatStep, LossScaler  # noqa: E402
 from gptlab.kernels import adamw  # noqa: E402
-from gptlab.training.checkpoint import load_run_checkpoint  # noqa: E402
+from gptlab.training.checkpoint import (  # noqa: E402
+    load_checkpoint,
+    load_run_checkpoint,
+    save_checkpoint,
+)
 from gptlab.training.config import TrainConfig  # noqa: E402
 from gptlab.training.data import embedded_corpus  # noqa: E402
 from gptlab.training.optim import (  # noqa: E402
+    SGD,
     AdamW,
     FusedAdamW,
     matrices_and_positions,
@@ -35,6 +42,7 @@ from gptlab.training.optim import (  # noqa: E402
 )
 from gptlab.training.parallel.base import clipped_grads  # noqa: E402
 from gptlab.training.steps import OneProcess  # noqa: E402
+from gptlab.training import train as train_module  # noqa: E402
 from gptlab.training.train import train  # noqa: E402
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=8)
@@ -168,6 +176,33 @@ def test_compute_copies_follow_the_masters():
         flat["wte.weight"] = torch.zeros_like(flat["wte.weight"])
 
 
+
+def test_a_single_file_checkpoint_resumes_with_either_optimizer(tmp_path):
+    """save_checkpoint names FusedAdamW's state AdamW's: the file restores into AdamW (as on a
+    machine without Triton) and into a new FusedAdamW, whose next update then equals the update
+    of one that never stopped, bit for bit; another kind is still refused."""
+    flat = FlatParams(master_params(), "bfloat16", decayed=matrices_only)
+    fused = FusedAdamW(flat, **HYPER)
+    flat.grad.normal_(generator=torch.Generator(DEVICE).manual_seed(0))
+    fused.step(flat, FlatGrads(flat, 1.0), lr=0.1)
+    path = tmp_path / "fused.safetensors"
+    save_checkpoint(path, dict(flat.items()), fused, step=1, config=CFG)
+    saved = load_checkpoint(path, backend="torch", device=DEVICE)
+    assert saved.optimizer_kind == "gptlab.training.optim.AdamW"
+    plain = AdamW(saved.params, **HYPER)
+    saved.restore_optimizer(plain)
+    assert plain.state_dict()["step"] == 1
+    resumed_flat = FlatParams(saved.params, "bfloat16", decayed=matrices_only)
+    resumed = FusedAdamW(resumed_flat, **HYPER)
+    saved.restore_optimizer(resumed)
+    for optimizer, params in ((fused, flat), (resumed, resumed_flat)):
+        params.grad.copy_(torch.linspace(-1.0, 1.0, params.grad.numel(), device=DEVICE))
+        optimizer.step(params, FlatGrads(params, 1.0), lr=0.1)
+    assert torch.equal(resumed_flat.master, flat.master)
+    assert torch.equal(resumed_flat.compute, flat.compute)
+    with pytest.raises(ValueError, match="optimizer kind mismatch"):
+        saved.restore_optimizer(SGD(saved.params))
+
 # --- whole runs ---------------------------------------------------------------------------------
 
 RUN = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, batch_size=2, eval_iters=1,
@@ -240,6 +275,32 @@ def test_checkpoints_resume_across_the_two_optimizers(tmp_path, corpus, precisio
                                  {k: torch.tensor(x) for k, x in straight[kernels][1].items()}
                                  ) <= 10 * tolerance  # fmt: skip
 
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the runs use device='cpu': the interpreter's")
+def test_a_resumed_run_keeps_no_second_copy_of_the_loaded_arrays(tmp_path, corpus, monkeypatch):
+    """After the optimizer took the loaded moments, the loaded checkpoint is let go: its
+    parameters (copied into the flat buffers) are gone before the first step of the resumed
+    run."""
+    config = dict(RUN, data=corpus, eval_interval=2, lr_decay_iters=4, kernels="triton",
+                  out_dir=str(tmp_path / "run"))
+    train(TrainConfig(**config, max_iters=2), progress=False)
+    load_run, clipped_grads = train_module.load_run, train_module.clipped_grads
+    loaded, alive = [], []  # a weak reference to a loaded tensor; alive at each step?
+
+    def watched_load_run(*args, **kwargs):
+        ckpt = load_run(*args, **kwargs)
+        loaded.append(weakref.ref(ckpt.params["wte.weight"]))
+        return ckpt
+
+    def watched_clipped_grads(*args, **kwargs):
+        alive.append(loaded[0]() is not None)
+        return clipped_grads(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "load_run", watched_load_run)
+    monkeypatch.setattr(train_module, "clipped_grads", watched_clipped_grads)
+    train(TrainConfig(**config, max_iters=4, resume=True), progress=False)
+    assert alive == [False, False]
 
 # --- bad input ----------------------------------------------------------------------------------
 

@@ -356,8 +356,10 @@ def test_asking_for_triton_where_it_cannot_run_names_the_option(monkeypatch):
         resolve_kernels("cuda", "cpu")
     with pytest.raises(ValueError, match="kernels='triton'"):
         TrainConfig(kernels="triton", device="cpu")
-    with pytest.raises(ValueError, match="fused path"):
+    with pytest.raises(ValueError, match="fused path: add fused=True"):
         TrainConfig(kernels="triton", fused=False)
+    with pytest.raises(ValueError, match="fused path, and it runs in one process"):
+        TrainConfig(kernels="triton", parallel="ddp", nproc=2)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # where the kernels run, but not in float64:
     with pytest.raises(ValueError, match="not torch.float64"):
         TrainConfig(kernels="triton", dtype="float64", device="cpu")

@@ -161,8 +161,11 @@ def read_bytes(path: Path) -> bytes:
 
 
 def _class_path(obj) -> str:
-    """'gptlab.training.optim.AdamW', 'torch.optim.adamw.AdamW', ...: the kind of an optimizer."""
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+    """'gptlab.training.optim.AdamW', 'torch.optim.adamw.AdamW', ...: the kind of an optimizer,
+    named by the class whose state it keeps (``state_class``: FusedAdamW keeps AdamW's, so a file
+    written by one resumes with the other, on a machine without Triton too)."""
+    kind = getattr(type(obj), "state_class", type(obj))
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 TUPLE_TAG = "__tuple__"  # a tuple in the JSON of a single-file checkpoint: {"__tuple__": [...]}

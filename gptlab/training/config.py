@@ -271,9 +271,12 @@ class TrainConfig:
             raise ValueError(f"precision={self.precision!r} keeps float32 master weights: use "
                              f"dtype='float32', not {self.dtype!r}")
         if self.kernels == "triton":
-            if not self.runs_fused:
+            if not self.fused:
                 raise ValueError("kernels='triton' runs on the fused path: add fused=True "
                                  "(--fused)")
+            if not self.runs_fused:
+                raise ValueError(f"kernels='triton' runs on the fused path, and "
+                                 f"{self._fused_refusal()}")
             resolve_kernels("triton", self.device, self.dtype)
         if self.cuda_graph and not self.fused_optimizer:
             raise ValueError("cuda_graph=True replays the step of the fused AdamW: it needs "

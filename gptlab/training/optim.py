@@ -207,6 +207,8 @@ class FusedAdamW(AdamW):
     the masters lie: CUDA, or the CPU under the interpreter (``TRITON_INTERPRET=1``).
     """
 
+    state_class = AdamW  # the kind a checkpoint names: the state is AdamW's
+
     def __init__(self, params, lr: float = 6e-4, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.1,
                  decay_filter: DecayFilter = matrices_only):

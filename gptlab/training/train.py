@@ -171,6 +171,7 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
     optimizer = make_optimizer(cfg, mode.params)  # (FusedAdamW over FlatParams)
     if cfg.resume:  # moments saved whole, cut to this mode's layout
         optimizer.load_state_dict(shard_optimizer_state(mode, ckpt.optimizer_state))
+        del ckpt  # the loaded arrays: the run holds what it needs of them now
 
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)  # (N,)
     train_ids, val_ids = split_train_val(ids, cfg.block_size, cfg.val_fraction, source)
