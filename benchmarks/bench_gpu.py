@@ -49,6 +49,12 @@ Needs a CUDA device: without one it says so and exits 0, measuring nothing.
    against nanoGPT eager and compiled with ``torch.optim.AdamW(fused=True)`` and
    ``clip_grad_norm_``, as its train.py steps.
 
+6. Where the GPU's time goes (``--parts profile``): torch's profiler over ``--profile-steps``
+   steps of the step part's bfloat16 contenders gptlab Triton (eager and as a CUDA graph) and
+   nanoGPT compiled, after a warm-up: the wall time and the GPU's busy time per step (the sum of
+   its kernels' times), that time by kind of kernel (matrix products, attention, gptlab's Triton
+   kernels, inductor's, torch's own, copies and fills) and the kernels that take the most.
+
 A contender that fails (a kernel that does not compile on this GPU, say) is reported with its
 error and left out of the tables, instead of ending the run. ``--parts`` runs a subset.
 
@@ -87,7 +93,9 @@ GPT2 = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024
             gelu="erf")  # fmt: skip
 ATTENTION_T = (1024, 2048, 4096, 8192, 16384)
 GiB = 2**30
-PARTS = ("step", "attention", "char", "generate", "update")
+PARTS = ("step", "attention", "char", "generate", "update", "profile")
+PROFILED = ("gptlab triton", "gptlab triton, CUDA graph", "nanoGPT compiled")  # bfloat16
+TOP_KERNELS = 12
 GPT2_RELEASED = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)
 NEW_TOKENS = 256
 CHAR = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, max_iters=300,
@@ -193,6 +201,63 @@ def run_steps(args, cfg, peak: float, failures: list) -> list[dict]:
                          "mfu": flops_per_token(cfg, n_params) * tokens / median / 1e12 / peak,
                          "peak_gib": memory[name] / GiB})
         print(f"{precision}: done", flush=True)
+    return rows
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel, by its name."""
+    low = name.lower()
+    if any(word in low for word in ("gemm", "xmma", "cutlass", "cublas", "nvjet")):
+        return "matrix products"
+    if any(word in low for word in ("flash", "fmha", "sdpa", "attention")):
+        return "attention"
+    if low.startswith("triton_"):
+        return "inductor's Triton kernels"
+    if low.startswith("_"):
+        return "gptlab's Triton kernels"
+    if any(word in low for word in ("memcpy", "memset", "copy", "fill")):
+        return "copies and fills"
+    return "torch's element-wise and reductions"
+
+
+def gpu_profile(step, steps: int) -> dict:
+    """Wall ms per ``step()`` under the profiler, the GPU's busy ms per step (its kernels' time
+    summed), and name -> ms per step of each kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = {event.key: event.self_device_time_total / 1e3 / steps
+               for event in prof.key_averages() if event.self_device_time_total > 0}  # fmt: skip
+    return {"wall_ms": 1e3 * wall / steps, "gpu_ms": sum(kernels.values()), "kernels": kernels}
+
+
+def run_profile(args, cfg, failures: list) -> list[dict]:
+    params = init_params(cfg, seed=0, backend="torch", dtype="float32", device="cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    idx, targets = (torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size),
+                                  generator=gen).cuda() for _ in range(2))  # fmt: skip
+    steps = {**gptlab_steps(cfg, params, idx, targets, "bfloat16"),
+             **nanogpt_steps(args.nanogpt, idx, targets, "bfloat16")}  # fmt: skip
+    steps = working({name: steps[name] for name in PROFILED if name in steps}, failures,
+                    "profile")  # fmt: skip
+    paired_times(steps, 2, "cuda")  # warm-up
+    rows = []
+    for name, step in steps.items():
+        measured = gpu_profile(step, args.profile_steps)
+        kinds = {}
+        for kernel, ms in measured["kernels"].items():
+            kinds[kernel_kind(kernel)] = kinds.get(kernel_kind(kernel), 0.0) + ms
+        top = sorted(measured["kernels"].items(), key=lambda item: -item[1])[:TOP_KERNELS]
+        rows.append({"contender": name, "wall_ms": measured["wall_ms"],
+                     "gpu_ms": measured["gpu_ms"], "kinds": kinds, "top": top})
+        print(f"profile {name}: {measured['wall_ms']:.1f} ms wall, {measured['gpu_ms']:.1f} ms "
+              "GPU", flush=True)
     return rows
 
 
@@ -451,6 +516,7 @@ def run(args) -> dict:
     res["char"] = run_char(args, failures) if "char" in args.parts else []
     res["generate"] = run_generate(args, failures) if "generate" in args.parts else []
     res["update"] = run_updates(args, cfg, failures) if "update" in args.parts else []
+    res["profile"] = run_profile(args, cfg, failures) if "profile" in args.parts else []
     res["failures"] = failures
     return res
 
@@ -503,6 +569,25 @@ def goal_lines(res: dict) -> list[str]:
     return ["", "Against the goals (ratios of the figures above):", "", *lines] if lines else []
 
 
+def profile_lines(rows: list) -> list[str]:
+    """The profile part as markdown: GPU time by kind per contender, then each one's top
+    kernels."""
+    if not rows:
+        return []
+    kinds = sorted({kind for r in rows for kind in r["kinds"]})
+    lines = ["", "Where the GPU's time goes, bfloat16 step, ms per step under torch's profiler:",
+             "", "| | " + " | ".join(r["contender"] for r in rows) + " |",
+             "|---|" + "---:|" * len(rows)]
+    lines += [f"| {label} | " + " | ".join(f"{value(r):.1f}" for r in rows) + " |"
+              for label, value in [("wall time", lambda r: r["wall_ms"]),
+                                   ("GPU busy (all kernels)", lambda r: r["gpu_ms"])]
+              + [(kind, lambda r, kind=kind: r["kinds"].get(kind, 0.0)) for kind in kinds]]
+    for r in rows:
+        lines += ["", f"The {TOP_KERNELS} longest kernels of {r['contender']}, ms per step:", ""]
+        lines += [f"- {ms:.2f} `{name[:90]}`" for name, ms in r["top"]]
+    return lines
+
+
 def markdown(res: dict) -> str:
     m = res["machine"]
     lines = [f"# GPT-2 124M on {m['gpu']}", "",
@@ -542,6 +627,7 @@ def markdown(res: dict) -> str:
                   "|---|---|---:|---:|---|"]
         lines += [f"| {r['precision']} | {r['contender']} | {r['tokens_per_s']:,.0f} | "
                   f"{r['ms']:.0f} | {'yes' if r['same_ids'] else 'no'} |" for r in res["generate"]]
+    lines += profile_lines(res.get("profile", []))
     lines += goal_lines(res)
     if res.get("failures"):
         lines += ["", "Contenders that failed, left out of the tables:", ""]
@@ -564,6 +650,8 @@ def main() -> int:
                         help="the precisions of the step and generate parts")
     parser.add_argument("--generate-rounds", type=int, default=3,
                         help="timed rounds of the generation part")
+    parser.add_argument("--profile-steps", type=int, default=5,
+                        help="steps profiled per contender of the profile part")
     parser.add_argument("--char-budget", type=float, default=0,
                         help="seconds after which no further char run starts (0: no limit)")
     parser.add_argument("--markdown-only", action="store_true",

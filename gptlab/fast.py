@@ -161,9 +161,14 @@ def _layernorm_back_(dy, cache, dw, db):
     return dx.sub_(mean_dxhat).addcmul_(xhat, mean_dxhat_xhat, value=-1.0).mul_(rstd)  # (N, C)
 
 
-def _linear(x, w, b):
-    """x (N, in) @ w (in, out) + b: one addmm."""
-    return x @ w if b is None else torch.addmm(b, x, w)  # (N, out)
+def _linear(x, w, b, residual=None):
+    """x (N, in) @ w (in, out) + b (+ residual (N, out)): one addmm; without a bias the
+    residual is its addend, added as the product is written (no second pass over memory)."""
+    if residual is None:
+        return x @ w if b is None else torch.addmm(b, x, w)  # (N, out)
+    if b is None:
+        return torch.addmm(residual, x, w)  # (N, out)
+    return torch.addmm(b, x, w).add_(residual)  # (N, out)
 
 
 def _linear_back(dy, x, w, dw, db):
@@ -217,15 +222,22 @@ def _mlp_up_back(dg, cache, h2, w, dw, db, approximate):
     return _linear_back(dhpre, h2, w, dw, db)  # (N, C)
 
 
-def _attention_core(qkv, B, T, n_head, attention, flash=flash_attention_forward):
-    """qkv (N, 3C) -> (heads (N, C), cache): causal multi-head attention. ``flash``: the flash
-    attention that attention="flash" calls (the layer, or its Triton twin)."""
+def _split_heads(x, B, T, n_head, parts: int):
+    """x (N, parts * C) -> (parts, B, NH, T, hs): a view of x, the parts (q, k, v) and heads
+    side by side as the projection wrote them."""
+    hs = x.shape[1] // (parts * n_head)
+    return x.view(B, T, parts, n_head, hs).permute(2, 0, 3, 1, 4)
+
+
+def _attention_core(qkv, B, T, n_head, attention):
+    """qkv (N, 3C) -> (heads (N, C), cache): causal multi-head attention, the layers' flash
+    attention with attention="flash"."""
     C = qkv.shape[1] // 3
     hs = C // n_head
     # one copy into the heads' layout, which every matmul here and in the backward reads in place
-    q, k, v = qkv.view(B, T, 3, n_head, hs).permute(2, 0, 3, 1, 4).contiguous()  # (B, NH, T, hs)
+    q, k, v = _split_heads(qkv, B, T, n_head, 3).contiguous()  # (B, NH, T, hs)
     if attention == "flash":
-        out, cache = flash(q, k, v, causal=True)  # (B, NH, T, hs)
+        out, cache = flash_attention_forward(q, k, v, causal=True)  # (B, NH, T, hs)
     else:
         # scores = q @ k^T / sqrt(hs) + mask (-inf where j > i), in one baddbmm
         mask = torch.full((T, T), -math.inf, dtype=qkv.dtype, device=qkv.device).triu_(1)  # (T, T)
@@ -237,13 +249,12 @@ def _attention_core(qkv, B, T, n_head, attention, flash=flash_attention_forward)
     return out.transpose(1, 2).reshape(B * T, C), cache  # (N, C)
 
 
-def _attention_core_back(dheads, cache, B, T, n_head, attention,
-                         flash_back=flash_attention_backward):  # fmt: skip
+def _attention_core_back(dheads, cache, B, T, n_head, attention):
     """dheads (N, C) -> dqkv (N, 3C)."""
     C = dheads.shape[1]
     dout = dheads.view(B, T, n_head, C // n_head).transpose(1, 2).contiguous()  # (B, NH, T, hs)
     if attention == "flash":
-        dq, dk, dv = flash_back(dout, cache)  # (B, NH, T, hs) each
+        dq, dk, dv = flash_attention_backward(dout, cache)  # (B, NH, T, hs) each
     else:
         q, k, v, att = cache
         # out = att @ v
@@ -309,13 +320,21 @@ def _triton_parts():
 
         @staticmethod
         def attention_core(qkv, B, T, n_head, attention):  # the flash kernel, always
-            return _attention_core(qkv, B, T, n_head, "flash",
-                                   flash_attention.flash_attention_forward)  # fmt: skip
+            heads = qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3)  # (N, C)
+            # q, k, v read where qkv holds them; the heads written side by side: no copies
+            q, k, v = _split_heads(qkv, B, T, n_head, 3)  # (B, NH, T, hs) views of qkv
+            _, cache = flash_attention.flash_attention_forward(
+                q, k, v, causal=True, out=_split_heads(heads, B, T, n_head, 1)[0])
+            return heads, cache
 
         @staticmethod
         def attention_core_back(dheads, cache, B, T, n_head, attention):
-            return _attention_core_back(dheads, cache, B, T, n_head, "flash",
-                                        flash_attention.flash_attention_backward)  # fmt: skip
+            dqkv = dheads.new_empty(dheads.shape[0], 3 * dheads.shape[1])  # (N, 3C)
+            # q, k, v = split(qkv): dq, dk, dv written into their places in dqkv
+            flash_attention.flash_attention_backward(
+                _split_heads(dheads, B, T, n_head, 1)[0], cache,
+                grads=tuple(_split_heads(dqkv, B, T, n_head, 3)))
+            return dqkv
 
         classifier = staticmethod(fused_classifier)  # on rows, unchecked
 
@@ -333,11 +352,11 @@ def _block_forward(x, p, cfg, B, T, attention, parts=_Parts):
     h1, ln1 = parts.layernorm(x, p["ln_1.weight"], p.get("ln_1.bias"), eps)  # (N, C)
     qkv = _linear(h1, p["attn.c_attn.weight"], p.get("attn.c_attn.bias"))  # (N, 3C)
     heads, core = parts.attention_core(qkv, B, T, cfg.n_head, attention)  # (N, C)
-    x1 = _linear(heads, p["attn.c_proj.weight"], p.get("attn.c_proj.bias")).add_(x)  # (N, C)
+    x1 = _linear(heads, p["attn.c_proj.weight"], p.get("attn.c_proj.bias"), x)  # (N, C)
     h2, ln2 = parts.layernorm(x1, p["ln_2.weight"], p.get("ln_2.bias"), eps)  # (N, C)
     g, mlp = parts.mlp_up(h2, p["mlp.c_fc.weight"], p.get("mlp.c_fc.bias"),
                           cfg.gelu_approximate)  # (N, 4C) gelu(h2 @ w_fc + b_fc)
-    y = _linear(g, p["mlp.c_proj.weight"], p.get("mlp.c_proj.bias")).add_(x1)  # (N, C)
+    y = _linear(g, p["mlp.c_proj.weight"], p.get("mlp.c_proj.bias"), x1)  # (N, C)
     return y, (h1, ln1, core, heads, h2, ln2, g, mlp)
 
 

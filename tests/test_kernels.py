@@ -109,17 +109,22 @@ def test_flash_attention_half_precision_matches_the_layer(dtype):
         assert_close(g, w, dtype, name)
 
 
-@pytest.mark.parametrize("n_kv_head", [1, 2])
-def test_flash_attention_shares_key_value_heads(n_kv_head):
+@pytest.mark.parametrize("n_kv_head,token_major", [(1, False), (2, False), (2, True)])
+def test_flash_attention_shares_key_value_heads(n_kv_head, token_major):
     """GQA: 4 query heads on n_kv_head key/value heads (query head h reads h // (4 / n_kv_head));
-    the layer on k, v repeated per query head, its dk, dv summed over the heads that share one."""
+    the layer on k, v repeated per query head, its dk, dv summed over the heads that share one.
+    token_major: q, k, v, dout are views of (B, T, heads, hs) arrays, read in place."""
     group = 4 // n_kv_head
     q, dout = randn(0, 2, 4, 19, 8), randn(1, 2, 4, 19, 8)
     k, v = randn(2, 2, n_kv_head, 19, 8), randn(3, 2, n_kv_head, 19, 8)
-    out, cache = flash_attention.flash_attention_forward(
-        *(x.float().to(DEVICE) for x in (q, k, v)), causal=True, block_q=16, block_k=16)
-    grads = flash_attention.flash_attention_backward(dout.float().to(DEVICE), cache,
-                                                     **SMALL_BACKWARD)  # fmt: skip
+    q32, k32, v32, dout32 = (x.float().to(DEVICE) for x in (q, k, v, dout))
+    if token_major:  # the same numbers, each (B, heads, T, hs) a view of a (B, T, heads, hs)
+        q32, k32, v32, dout32 = (x.transpose(1, 2).contiguous().transpose(1, 2)
+                                 for x in (q32, k32, v32, dout32))  # fmt: skip
+        assert not q32.is_contiguous()
+    out, cache = flash_attention.flash_attention_forward(q32, k32, v32, causal=True, block_q=16,
+                                                         block_k=16)  # fmt: skip
+    grads = flash_attention.flash_attention_backward(dout32, cache, **SMALL_BACKWARD)
     repeated = [x.repeat_interleave(group, dim=1) for x in (k, v)]  # (2, 4, 19, 8)
     want, want_cache = ref_flash.flash_attention_forward(q, *repeated, causal=True)
     dq, dk, dv = ref_flash.flash_attention_backward(dout, want_cache)
@@ -160,6 +165,35 @@ def test_causal_tiles_above_the_diagonal_are_never_read():
     assert torch.isnan(out[:, 32:]).all()
 
 
+
+def test_flash_attention_reads_and_writes_views_in_place():
+    """q, k, v split from one (B, T, 3, NH, hs) buffer, out a view of (B, T, NH, hs), dout a
+    view of (B, T, NH, hs), dq, dk, dv views of one (B, T, 3, NH, hs) buffer (the fused step's
+    layouts, no copies): bit for bit the results on contiguous copies; the inputs untouched,
+    every output element written; a k with its columns apart (transposed twice) is copied."""
+    B, T, NH, hs = 2, 33, 3, 8
+    qkv = to(randn(0, B, T, 3, NH, hs), torch.float32)[0]
+    dout_rows = to(randn(1, B, T, NH, hs), torch.float32)[0]
+    before = qkv.clone()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (B, NH, T, hs) views
+    out_rows = torch.full((B, T, NH, hs), torch.nan, device=DEVICE)
+    dqkv = torch.full((B, T, 3, NH, hs), torch.nan, device=DEVICE)
+    out, cache = flash_attention.flash_attention_forward(q, k, v, causal=True, block_q=16,
+                                                         block_k=16, out=out_rows.transpose(1, 2))
+    grads = flash_attention.flash_attention_backward(dout_rows.transpose(1, 2), cache,
+                                                     grads=tuple(dqkv.permute(2, 0, 3, 1, 4)),
+                                                     **SMALL_BACKWARD)  # fmt: skip
+    k_apart = k.transpose(-1, -2).contiguous().transpose(-1, -2)  # unit stride along T, not hs
+    want, want_cache = flash_attention.flash_attention_forward(
+        q.contiguous(), k_apart, v.contiguous(), causal=True, block_q=16, block_k=16)
+    want_grads = flash_attention.flash_attention_backward(dout_rows.transpose(1, 2).contiguous(),
+                                                          want_cache, **SMALL_BACKWARD)
+    assert torch.equal(qkv, before)
+    assert out.data_ptr() == out_rows.data_ptr() and torch.equal(out, want)
+    assert all(g.data_ptr() == d.data_ptr() and torch.equal(g, w)
+               for g, d, w in zip(grads, dqkv.permute(2, 0, 3, 1, 4), want_grads))  # fmt: skip
+    assert torch.isfinite(out_rows).all() and torch.isfinite(dqkv).all()
+
 def test_flash_attention_refuses_what_it_does_not_cover():
     q = torch.zeros(2, 3, 4, 8, device=DEVICE)
     with pytest.raises(ValueError, match="leading dims"):
@@ -174,6 +208,16 @@ def test_flash_attention_refuses_what_it_does_not_cover():
     _, cache = flash_attention.flash_attention_forward(q, q, q, block_q=16, block_k=16)
     with pytest.raises(ValueError, match="dq_blocks must be a power of two"):
         flash_attention.flash_attention_backward(q, cache, dq_blocks=(16, 48))
+    with pytest.raises(ValueError, match=r"out must be a torch.float32 tensor of shape \(2, 3, 4"):
+        flash_attention.flash_attention_forward(q, q, q, out=q[..., :4])
+    with pytest.raises(ValueError, match="out must be viewable as"):
+        flash_attention.flash_attention_forward(q, q, q, out=q.transpose(-1, -2).contiguous().mT)
+    with pytest.raises(ValueError, match="grads must be three tensors"):
+        flash_attention.flash_attention_backward(q, cache, grads=(q, q))
+    with pytest.raises(ValueError, match="dk must be a torch.float32 tensor"):
+        flash_attention.flash_attention_backward(q, cache, grads=(q, q.half(), q))
+    with pytest.raises(ValueError, match="dout must have out's shape"):
+        flash_attention.flash_attention_backward(q[:1], cache)
 
 
 # --- LayerNorm ------------------------------------------------------------------------------------
