@@ -428,9 +428,11 @@ def forward_backward_(params: dict, idx, targets, cfg: GPTConfig, grads: dict, *
     dwte = grads["wte.weight"]  # (V, C), the head's share first
     if classifier == "chunked" or parts.classifier is not None:
         chunked = parts.classifier or chunked_classifier_forward
-        loss, (dxf, dwte_head) = chunked(xf, wte, target_ids)
-        dwte.copy_(dwte_head).mul_(loss_scale)
-        dxf = dxf.mul_(loss_scale)  # (N, C)
+        loss, (dxf, dwte_head) = chunked(xf, wte, target_ids)  # dxf (N, C)
+        dwte.copy_(dwte_head)
+        if loss_scale != 1.0:  # float16: the gradients of loss_scale * loss
+            dwte.mul_(loss_scale)
+            dxf.mul_(loss_scale)
     else:
         logits = xf @ wte.T  # (N, V), becomes dlogits in place
         loss = _softmax_cross_entropy_(logits, target_ids, loss_scale)

@@ -36,6 +36,8 @@ import atexit
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -60,6 +62,26 @@ _heartbeat = None  # this process's Heartbeat, once it is a rank of a launched r
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
+# A process that waits (at most KILL_AFTER_S) until the process ``argv[1]`` is gone (reaped by
+# the agent, so its failure is on record), then SIGKILLs ``argv[2]``: a stopped process ignores
+# SIGTERM.
+KILL_AFTER_S = 60.0
+KILL_AFTER = f"""import os, signal, sys, time
+first, then = int(sys.argv[1]), int(sys.argv[2])
+end = time.monotonic() + {KILL_AFTER_S}
+while time.monotonic() < end:
+    try:
+        os.kill(first, 0)
+    except ProcessLookupError:
+        break
+    time.sleep(0.05)
+try:
+    os.kill(then, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
 class LaunchFailed(RuntimeError):
     """A rank of a parallel run failed (or was killed); the run was stopped."""
 
@@ -76,9 +98,9 @@ class Heartbeat:
     """A thread of every rank that counts up ``beat/<rank>`` in the launcher's store every
     ``interval`` seconds and watches the other ranks' counts. When a peer's count has not moved
     for ``timeout`` seconds (and the peer has not finished), this rank writes RankStopped naming
-    it as its error (what ``launch`` reports), ends the silent peer if it runs on this machine
-    (SIGKILL by its pid: a stopped process ignores SIGTERM) and exits, so the agent stops the
-    run. The store is the elastic agent's (torchrun's, ``launch``'s): it outlives every rank."""
+    it as its error (what ``launch`` reports) and exits, so the agent stops the run; a silent
+    peer on this machine is ended (SIGKILL by its pid: a stopped process ignores SIGTERM) right
+    after this rank is gone, so that the agent sees this rank's failure first. The store is the elastic agent's (torchrun's, ``launch``'s): it outlives every rank."""
 
     def __init__(self, rank: int, world_size: int, interval: float = HEARTBEAT_INTERVAL_S,
                  timeout: float = HEARTBEAT_TIMEOUT_S):  # fmt: skip
@@ -113,7 +135,9 @@ class Heartbeat:
                 self._stop_run(silent, now - last[silent[0]][1])
 
     def _stop_run(self, silent: list[int], seconds: float) -> None:
-        """Report the silent ranks as this rank's error, end those on this machine, exit."""
+        """Report the silent ranks as this rank's error, exit, and have those on this machine
+        ended once this rank is gone: were a silent rank's death seen first, the agent would
+        report that death (SIGKILL) instead of this rank's RankStopped."""
         names = ", ".join(map(str, silent))
         get_error_handler().record_exception(RankStopped(
             f"rank {names} of {self.world_size} stopped answering: no heartbeat for "
@@ -121,7 +145,8 @@ class Heartbeat:
         for peer in silent:
             host, pid = self.store.get(f"pid/{peer}").decode().split()
             if host == socket.gethostname():
-                os.kill(int(pid), signal.SIGKILL)
+                subprocess.Popen([sys.executable, "-c", KILL_AFTER, str(os.getpid()), pid],
+                                 start_new_session=True)  # fmt: skip
         os._exit(1)  # the main thread may be stuck in a collective: no unwinding
 
     def close(self) -> None:
