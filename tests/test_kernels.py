@@ -212,6 +212,10 @@ def test_flash_attention_refuses_what_it_does_not_cover():
         flash_attention.flash_attention_forward(q, q, q, out=q[..., :4])
     with pytest.raises(ValueError, match="out must be viewable as"):
         flash_attention.flash_attention_forward(q, q, q, out=q.transpose(-1, -2).contiguous().mT)
+    far = torch.empty_strided((1, 1, 2, 8), (0, 0, 2**31, 1), device="meta")  # rows 2^31 apart
+    assert flash_attention._as_heads(far).is_contiguous()  # read: copied
+    with pytest.raises(ValueError, match="a head's rows within 2"):  # written: refused
+        flash_attention._written_heads("out", far, far.shape, far)
     with pytest.raises(ValueError, match="grads must be three tensors"):
         flash_attention.flash_attention_backward(q, cache, grads=(q, q))
     with pytest.raises(ValueError, match="dk must be a torch.float32 tensor"):

@@ -350,12 +350,19 @@ def _heads_shape(shape) -> tuple:
     return (math.prod(lead[:-1]), lead[-1] if lead else 1, T, h)
 
 
+def _rows_fit(heads) -> bool:
+    """Whether a head's rows of the (B, NH, T, h) view lie within 2^31 elements: the kernels
+    offset rows in 32-bit integers (batches and heads in 64-bit)."""
+    T, h = heads.shape[-2:]
+    return heads.stride(-1) == 1 and (T - 1) * heads.stride(-2) + h < 2**31
+
+
 def _as_heads(x):
     """x (..., T, h) as (B, NH, T, h) with its columns next to each other: a view of x (any
     strides between rows, heads and batches: the kernels take them), a copy only where no view
-    has unit stride along h."""
+    has unit stride along h, or a head's rows lie too far apart (``_rows_fit``)."""
     x = x.reshape(_heads_shape(x.shape))
-    return x if x.stride(-1) == 1 else x.contiguous()
+    return x if _rows_fit(x) else x.contiguous()
 
 
 def _written_heads(name: str, x, shape, like):
@@ -371,9 +378,10 @@ def _written_heads(name: str, x, shape, like):
         heads = x.view(_heads_shape(x.shape))
     except RuntimeError:
         heads = None
-    if heads is None or heads.stride(-1) != 1:
-        raise ValueError(f"{name} must be viewable as (B, NH, T, h) with its last dim contiguous, "
-                         f"got strides {x.stride()}")  # fmt: skip
+    if heads is None or not _rows_fit(heads):
+        raise ValueError(f"{name} must be viewable as (B, NH, T, h) with its last dim contiguous "
+                         f"and a head's rows within 2^31 elements, got strides "
+                         f"{x.stride()}")  # fmt: skip
     return heads
 
 
