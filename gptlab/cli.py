@@ -305,9 +305,9 @@ def run_sample(args: argparse.Namespace) -> int:
     from .config import check_device
     from .training.parallel.checkpoint import load_run
     from .training.decode import StaticDecoder
-    from .training.sample import _check_sampling, generate
+    from .training.sample import check_sampling, generate
 
-    _check_sampling(args.temperature, args.top_k, args.top_p)
+    check_sampling(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.backend == "numpy" and args.device not in (None, "cpu"):

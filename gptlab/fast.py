@@ -50,14 +50,13 @@ from .backend import capture_cuda_graph
 from .config import GPTConfig
 from .layers.chunked_classifier import chunked_classifier_forward
 from .layers.flash_attention import flash_attention_backward, flash_attention_forward
-from .layers.gelu import _INV_SQRT_2, _INV_SQRT_2PI, _SQRT_2_OVER_PI
-from .model import _check_idx, block_params, check_params
+from .layers.gelu import GELU_CUBIC, INV_SQRT_2, INV_SQRT_2PI, SQRT_2_OVER_PI
+from .model import check_idx, block_params, check_params
 
 ATTENTIONS = ("sdpa", "flash")
 CLASSIFIERS = ("full", "chunked")
 PRECISIONS = ("float32", "bfloat16", "float16")
 KERNELS = ("auto", "torch", "triton")
-_GELU_CUBIC = 0.044715
 
 
 def check_fast_config(cfg: GPTConfig) -> None:
@@ -115,8 +114,8 @@ def _check_call(params, idx, targets, cfg, buffers, attention, classifier) -> No
     if not isinstance(params["wte.weight"], torch.Tensor):
         raise TypeError("the fused path runs on torch tensors, got "
                         f"{type(params['wte.weight']).__name__}: use backend='torch'")
-    _check_idx(idx, cfg)
-    _check_idx(targets, cfg, "targets")
+    check_idx(idx, cfg)
+    check_idx(targets, cfg, "targets")
     if tuple(targets.shape) != tuple(idx.shape):
         raise ValueError(f"targets has shape {tuple(targets.shape)}, idx has {tuple(idx.shape)}")
     if attention not in ATTENTIONS:
@@ -185,10 +184,10 @@ def _gelu_phi(h, approximate):
         # Phi = 0.5 * (1 + tanh(u)) = sigmoid(2u), u = sqrt(2/pi) * (h + 0.044715 h^3)
         # (the same number; torch's sigmoid ran 6x faster than its tanh on this CPU)
         phi = h * h  # (N, H) h^2, made Phi in place
-        phi.mul_(_GELU_CUBIC).add_(1.0).mul_(h).mul_(2.0 * _SQRT_2_OVER_PI)
+        phi.mul_(GELU_CUBIC).add_(1.0).mul_(h).mul_(2.0 * SQRT_2_OVER_PI)
         return phi.sigmoid_()  # (N, H)
     # Phi = 0.5 * (1 + erf(h / sqrt(2))) (torch.special.ndtr, the same, ran slower)
-    return (h * _INV_SQRT_2).erf_().add_(1.0).mul_(0.5)  # (N, H)
+    return (h * INV_SQRT_2).erf_().add_(1.0).mul_(0.5)  # (N, H)
 
 
 def _gelu_back_(dg, h, phi, g, approximate):
@@ -197,11 +196,11 @@ def _gelu_back_(dg, h, phi, g, approximate):
     slope = torch.mul(h, h, out=g)  # (N, H) h^2, made Phi' in g's buffer
     if approximate == "tanh":
         # Phi = sigmoid(2u): Phi' = 2 Phi (1 - Phi) * sqrt(2/pi) * (1 + 3 * 0.044715 h^2)
-        slope.mul_(3.0 * _GELU_CUBIC).add_(1.0).mul_(2.0 * _SQRT_2_OVER_PI).mul_(phi)
+        slope.mul_(3.0 * GELU_CUBIC).add_(1.0).mul_(2.0 * SQRT_2_OVER_PI).mul_(phi)
         slope.addcmul_(slope, phi, value=-1.0)  # times (1 - Phi)
     else:
         # Phi' = exp(-h^2 / 2) / sqrt(2 pi)
-        slope.mul_(-0.5).exp_().mul_(_INV_SQRT_2PI)
+        slope.mul_(-0.5).exp_().mul_(INV_SQRT_2PI)
     return dg.mul_(slope.mul_(h).add_(phi))  # (N, H) dy * (Phi + h * Phi')
 
 

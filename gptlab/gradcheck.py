@@ -61,7 +61,7 @@ __all__ = ["FLOOR", "TOLERANCE", "GradcheckEntry", "GradcheckResult", "below", "
            "check_model"]
 
 
-def _fmt(x: float) -> str:
+def format_float(x: float) -> str:
     """A tolerance or an error far above round-off: two significant digits, e.g. "1e-07"."""
     return f"{x:.2g}"
 
@@ -70,13 +70,13 @@ def below(value: float, bound: float) -> str:
     """``"below 1e-09"``, after asserting ``value < bound``: how the book prints a round-off-sized
     number. Its digits differ from one CPU to the next; the bound does not."""
     if not value < bound:
-        raise AssertionError(f"{value!r} is not below {_fmt(bound)}")
-    return f"below {_fmt(bound)}"
+        raise AssertionError(f"{value!r} is not below {format_float(bound)}")
+    return f"below {format_float(bound)}"
 
 
 def _shown_error(error: float, tol: float) -> str:
     """A passing error as the bound it passed (``< 1e-07``), a failing one with its digits."""
-    return f"< {_fmt(tol)}" if error < tol else _fmt(error)
+    return f"< {format_float(tol)}" if error < tol else format_float(error)
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,7 +144,7 @@ class GradcheckResult:
         if not self.passed(tol):
             failed = [entry.name for entry in self.entries if not entry.passed(tol)]
             raise AssertionError(
-                f"gradient check failed for {failed} (tolerance {_fmt(tol)}):\n{self._table(tol)}"
+                f"gradient check failed for {failed} (tolerance {format_float(tol)}):\n{self._table(tol)}"
             )
 
     def error_map(self, name: str) -> np.ndarray:
@@ -173,7 +173,7 @@ class GradcheckResult:
         bound it passed, not its round-off digits, so the report reads the same on every CPU."""
         return [
             (row["input"], str(row["shape"]), _shown_error(row["rel_error"], tol),
-             "" if row["passed"] else _fmt(row["max_abs_error"]),
+             "" if row["passed"] else format_float(row["max_abs_error"]),
              "PASS" if row["passed"] else "FAIL")
             for row in self.as_rows(tol)
         ]
@@ -183,7 +183,7 @@ class GradcheckResult:
         rows += self._display_rows(tol)
         widths = [max(len(row[k]) for row in rows) for k in range(4)]
         oracle = self.oracle.replace("_", " ")
-        lines = [f"gradient check against {oracle} (pass: rel. error < {_fmt(tol)})"]
+        lines = [f"gradient check against {oracle} (pass: rel. error < {format_float(tol)})"]
         for name, shape, rel, abs_err, verdict in rows:
             lines.append(f"{name:<{widths[0]}}  {shape:<{widths[1]}}  {rel:>{widths[2]}}  "
                          f"{abs_err:>{widths[3]}}  {verdict}".rstrip())
@@ -209,7 +209,7 @@ class GradcheckResult:
         oracle = html.escape(self.oracle.replace("_", " "))
         return (
             '<table class="gradcheck" style="border-collapse:collapse">'
-            f"<caption>gradient check against {oracle} (pass: rel. error &lt; {_fmt(TOLERANCE)})"
+            f"<caption>gradient check against {oracle} (pass: rel. error &lt; {format_float(TOLERANCE)})"
             "</caption>"
             "<thead><tr><th>input</th><th>shape</th><th>rel. error</th><th>max abs error</th>"
             "<th>result</th></tr></thead>"

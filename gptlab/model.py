@@ -151,7 +151,7 @@ def check_params(params: dict, cfg: GPTConfig) -> None:
             raise TypeError(f"{name} has dtype {params[name].dtype}, but wte.weight has {dtype}")
 
 
-def _check_idx(idx, cfg: GPTConfig, name: str = "idx") -> None:
+def check_idx(idx, cfg: GPTConfig, name: str = "idx") -> None:
     require_int(name, idx)
     if len(idx.shape) != 2:
         raise ValueError(f"{name} must have shape (B, T), got {tuple(idx.shape)}")
@@ -182,9 +182,9 @@ def gpt_forward(params: dict, idx, cfg: GPTConfig, targets=None, *, dropout_seed
     with a ``capacity_factor`` still share their capacity across the whole batch.
     """
     check_params(params, cfg)
-    _check_idx(idx, cfg)
+    check_idx(idx, cfg)
     if targets is not None:
-        _check_idx(targets, cfg, "targets")
+        check_idx(targets, cfg, "targets")
         if tuple(targets.shape) != tuple(idx.shape):
             raise ValueError(f"targets has shape {tuple(targets.shape)}, idx has {tuple(idx.shape)}")
     mask, positions = packed_inputs(idx, cfg, positions, documents)  # (B, T, T), (B, T) or None

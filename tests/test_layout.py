@@ -50,22 +50,39 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
-    """(line, gptlab module) for every import of the package in ``source``."""
+def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str, list[str]]]:
+    """(line, gptlab module, the names imported from it) for every import of the package in
+    ``source``; the names are [] for ``import gptlab.x``."""
     package = module if is_package else module.rpartition(".")[0]
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name) for a in node.names]
+            found += [(node.lineno, a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level:
             base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
             if node.module:
-                found.append((node.lineno, f"{base}.{node.module}"))
+                found.append((node.lineno, f"{base}.{node.module}", [a.name for a in node.names]))
             else:  # from .. import backend, gradcheck: each name is a module
-                found += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+                found += [(node.lineno, f"{base}.{a.name}", []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            found.append((node.lineno, node.module))
-    return [(line, m) for line, m in found if m == "gptlab" or m.startswith("gptlab.")]
+            found.append((node.lineno, node.module, [a.name for a in node.names]))
+    return [(line, m, names) for line, m, names in found
+            if m == "gptlab" or m.startswith("gptlab.")]
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, gptlab module) for every import of the package in ``source``."""
+    return [(line, m) for line, m, _ in imports(source, module, is_package)]
+
+
+def private_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """One line per name with a leading underscore that ``module`` imports from another room:
+    what a room shares with the others has a public name."""
+    here = room_of(module)
+    return [f"{module}:{line} imports {name} from {target}"
+            for line, target, names in imports(source, module, is_package)
+            if room_of(target) != here
+            for name in names if name.startswith("_") and not name.startswith("__")]
 
 
 def wrong_arrows(source: str, module: str, is_package: bool = False) -> list[str]:
@@ -118,6 +135,17 @@ def test_a_planted_upward_import_fails():
     assert wrong_arrows("from ...layers.gelu import gelu_forward\nfrom ..optim import AdamW\n"
                         "from . import mode_class\n", "gptlab.training.parallel.demo") == []
     assert wrong_arrows("from .. import backend, gradcheck\n", "gptlab.course.grading") == []
+
+
+def test_no_private_name_crosses_a_room():
+    problems = []
+    for path in package_modules():
+        problems += private_imports(path.read_text(encoding="utf-8"), module_name(path),
+                                    path.name == "__init__.py")
+    assert problems == []
+    planted = "from ..layers.sdpa import attend, _private\nfrom .launch import _inside\n"
+    assert private_imports(planted, "gptlab.kernels.flash_attention") == [
+        "gptlab.kernels.flash_attention:1 imports _private from gptlab.layers.sdpa"]
 
 
 def test_every_room_says_what_it_holds_and_may_import():

@@ -39,7 +39,7 @@ from array_api_compat import is_array_api_obj
 
 from .. import backend, gradcheck
 from ..backend import asarray_like, to_numpy
-from ..gradcheck import TOLERANCE, GradcheckEntry, _fmt, check_layer
+from ..gradcheck import TOLERANCE, GradcheckEntry, format_float, check_layer
 
 FLOAT32_TOLERANCE = 1e-4  # relative error of float32 gradients against the float64 ones
 
@@ -398,7 +398,7 @@ def _backward_case(forward, backward, args, hyperparams, tol, max_elements) -> s
     exception) on a failure."""
     result = check_layer(forward, backward, *args, max_elements=max_elements, **hyperparams)
     if not result.passed(tol):
-        failed = {e.name: _fmt(e.rel_error) for e in result.entries if not e.passed(tol)}
+        failed = {e.name: format_float(e.rel_error) for e in result.entries if not e.passed(tol)}
         raise GradingError(f"wrong gradient for {', '.join(failed)} (rel. error "
                            f"{', '.join(failed.values())} against finite differences)")
     out, cache = forward(*args, **hyperparams)
@@ -420,9 +420,9 @@ def _backward_case(forward, backward, args, hyperparams, tol, max_elements) -> s
             err = GradcheckEntry(entry.name, a, entry.analytic, entry.mask | True).rel_error
             if not err < FLOAT32_TOLERANCE:
                 raise GradingError(f"{dtype} gradient for {entry.name} differs from the float64 "
-                                   f"one by {_fmt(err)} (relative)")
-    return f"rel. error < {_fmt(tol)}" + ("" if dtype == "float64" else
-                                         f"; {dtype} within {_fmt(FLOAT32_TOLERANCE)}")
+                                   f"one by {format_float(err)} (relative)")
+    return f"rel. error < {format_float(tol)}" + ("" if dtype == "float64" else
+                                         f"; {dtype} within {format_float(FLOAT32_TOLERANCE)}")
 
 
 def check_backward(forward, backward, cases, *, allow=(), forbid=(), tol: float = TOLERANCE,
@@ -478,7 +478,7 @@ def _compare(got, want, rtol: float, atol: float, where: str = "output") -> None
         exact = not np.issubdtype(w.dtype, np.inexact)
         if not (np.array_equal(g, w) if exact else
                 np.allclose(g, w, rtol=rtol, atol=atol, equal_nan=True)):
-            worst = "" if exact else f" (max abs difference {_fmt(float(np.max(np.abs(g - w))))})"
+            worst = "" if exact else f" (max abs difference {format_float(float(np.max(np.abs(g - w))))})"
             raise GradingError(f"{where} has wrong values{worst}")
     elif isinstance(want, float):
         if not isinstance(got, (float, int)) or not np.isclose(got, want, rtol=rtol, atol=atol):

@@ -28,10 +28,10 @@ from .launch import check_tensors, check_tile
 from .reduce import column_sum
 
 # the layer's constants, as the compile-time globals a kernel may read
-_SQRT_2_OVER_PI = tl.constexpr(gelu._SQRT_2_OVER_PI)
-_INV_SQRT_2 = tl.constexpr(gelu._INV_SQRT_2)
-_INV_SQRT_2PI = tl.constexpr(gelu._INV_SQRT_2PI)
-_GELU_CUBIC = tl.constexpr(0.044715)
+_SQRT_2_OVER_PI = tl.constexpr(gelu.SQRT_2_OVER_PI)
+_INV_SQRT_2 = tl.constexpr(gelu.INV_SQRT_2)
+_INV_SQRT_2PI = tl.constexpr(gelu.INV_SQRT_2PI)
+_GELU_CUBIC = tl.constexpr(gelu.GELU_CUBIC)
 
 
 @triton.jit

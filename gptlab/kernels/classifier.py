@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layers.chunked_classifier import _check_inputs
+from ..layers.chunked_classifier import check_classifier_inputs
 from .launch import check_tensors, check_tile
 
 
@@ -64,7 +64,7 @@ def classifier_forward(x, wte, targets, *, chunk_size: int = 2048, block_v: int 
                        num_warps: int = 8):  # fmt: skip
     """x (..., C), wte (V, C), targets (...) integer ids -> (loss () float32, cache (dx, dwte)),
     as the layer: the mean cross-entropy of x @ wte^T over the N positions."""
-    _check_inputs(x, wte, targets, chunk_size)
+    check_classifier_inputs(x, wte, targets, chunk_size)
     check_tensors(x=x, wte=wte)
     check_tile("block_v", block_v)
     loss, (dx, dwte) = fused_classifier(x.reshape(-1, wte.shape[1]), wte, targets.reshape(-1),

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layers.sdpa import _check_inputs
+from ..layers.sdpa import check_attention_inputs
 from .launch import check_tensors, check_tile, dot_dtype, input_precision, pow2
 
 
@@ -401,7 +401,7 @@ def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | Non
     """
     group = _heads_group(q, k, v)
     # the layer's checks, on q's first NKV heads (the layer itself has no GQA)
-    _check_inputs(q if group == 1 else q[..., : k.shape[-3], :, :], k, v, None, causal)
+    check_attention_inputs(q if group == 1 else q[..., : k.shape[-3], :, :], k, v, None, causal)
     check_tensors(q=q, k=k, v=v)
     (Tq, hs), (Tk, hv) = q.shape[-2:], v.shape[-2:]
     check_tile("block_q", block_q, least=16)

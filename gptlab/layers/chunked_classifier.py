@@ -41,7 +41,7 @@ def chunked_classifier_forward(x, wte, targets, *, chunk_size: int = 128):
     """x (..., C), wte (V, C), targets (...) integer ids -> (loss (), cache (dx, dwte)), loss
     the mean cross-entropy over the N positions, as cross_entropy_forward(x @ wte^T, targets)."""
     xp = array_namespace(x, wte)
-    _check_inputs(x, wte, targets, chunk_size)
+    check_classifier_inputs(x, wte, targets, chunk_size)
     V, C = wte.shape
     x_rows = xp.reshape(x, (-1, C))  # (N, C)
     target_rows = xp.reshape(targets, (-1,))  # (N,)
@@ -72,7 +72,7 @@ def chunked_classifier_backward(dloss, cache):
     return dx * dloss, dwte * dloss
 
 
-def _check_inputs(x, wte, targets, chunk_size) -> None:
+def check_classifier_inputs(x, wte, targets, chunk_size) -> None:
     require_float("x", x)
     require_float("wte", wte)
     require_same_dtype("x", x, "wte", wte)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 
 from ..backend import array_device, array_namespace
-from .sdpa import _broadcast, _check_inputs, _sum_to_shape
+from .sdpa import _broadcast, check_attention_inputs, _sum_to_shape
 
 
 def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
@@ -41,7 +41,7 @@ def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | Non
     """q (..., Tq, hs), k (..., Tk, hs), v (..., Tk, hv) -> out (..., Tq, hv), leading dims
     broadcast as in sdpa. The cache is (q, k, v, out, lse (..., Tq, 1), settings)."""
     xp = array_namespace(q, k, v)
-    _check_inputs(q, k, v, None, causal)
+    check_attention_inputs(q, k, v, None, causal)
     _check_block("block_q", block_q)
     _check_block("block_k", block_k)
     if q.shape[-2] == 0:

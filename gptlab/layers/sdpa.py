@@ -48,7 +48,7 @@ def sdpa_forward(q, k, v, mask=None, *, causal: bool = False, scale: float | Non
     """q (..., Tq, hs), k (..., Tk, hs), v (..., Tk, hv), mask (..., Tq, Tk) bool or None
     -> out (..., Tq, hv). The cache is (q, k, v, att, softmax_cache, scale)."""
     xp = array_namespace(q, k, v, mask)
-    _check_inputs(q, k, v, mask, causal)
+    check_attention_inputs(q, k, v, mask, causal)
     Tq, Tk = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     visible = causal_mask(Tq, Tk, q) if causal else None  # (Tq, Tk)
@@ -110,7 +110,7 @@ def _broadcast(shapes) -> tuple | None:
         return None
 
 
-def _check_inputs(q, k, v, mask, causal) -> None:
+def check_attention_inputs(q, k, v, mask, causal) -> None:
     """TypeError for dtypes (and a mask that is not boolean), ValueError for shapes and for
     queries that causal=True leaves without a key; each message names the argument."""
     for name, a in (("q", q), ("k", k), ("v", v)):

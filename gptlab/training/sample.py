@@ -177,7 +177,7 @@ def head_logits(params: dict, cfg: GPTConfig, x_last):
     return xf @ head_weight(params, cfg)  # (B, V)
 
 
-def _check_sampling(temperature, top_k, top_p) -> None:
+def check_sampling(temperature, top_k, top_p) -> None:
     if not temperature >= 0.0:
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
@@ -196,7 +196,7 @@ def next_token_distribution(logits_last, temperature: float = 1.0, top_k: int | 
     probability, so ties are broken by the lower token id and top-k keeps exactly k tokens.
     """
     xp = array_namespace(logits_last)
-    _check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p)
     V = logits_last.shape[-1]
     if temperature == 0.0:
         return one_hot(xp.argmax(logits_last, axis=-1), V, dtype=logits_last.dtype)  # (..., V)
@@ -252,7 +252,7 @@ def check_generate_args(params: dict, cfg: GPTConfig, prompt_ids, max_new_tokens
                         temperature: float, top_k, top_p, stop_token) -> list[int]:
     """The checks of ``generate``'s arguments, before any work -> the prompt as a list of ints."""
     check_params(params, cfg)
-    _check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p)
     ids = _prompt_list(prompt_ids, cfg.vocab_size)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
