@@ -111,12 +111,15 @@ def test_the_arrows_point_one_way():
         assert table[room] <= set(table), f"{room} names a room that is not in the table"
 
 
+def over_the_package(check) -> list[str]:
+    """The lines ``check(source, module, is_package)`` gives for every module of the package."""
+    return [line for path in package_modules()
+            for line in check(path.read_text(encoding="utf-8"), module_name(path),
+                              path.name == "__init__.py")]
+
+
 def test_no_import_runs_back_up():
-    problems = []
-    for path in package_modules():
-        problems += wrong_arrows(path.read_text(encoding="utf-8"), module_name(path),
-                                 path.name == "__init__.py")
-    assert problems == []
+    assert over_the_package(wrong_arrows) == []
 
 
 def test_a_planted_upward_import_fails():
@@ -138,11 +141,7 @@ def test_a_planted_upward_import_fails():
 
 
 def test_no_private_name_crosses_a_room():
-    problems = []
-    for path in package_modules():
-        problems += private_imports(path.read_text(encoding="utf-8"), module_name(path),
-                                    path.name == "__init__.py")
-    assert problems == []
+    assert over_the_package(private_imports) == []
     planted = "from ..layers.sdpa import attend, _private\nfrom .launch import _inside\n"
     assert private_imports(planted, "gptlab.kernels.flash_attention") == [
         "gptlab.kernels.flash_attention:1 imports _private from gptlab.layers.sdpa"]
