@@ -135,6 +135,16 @@ def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
     return 6 * n_params + 12 * cfg.n_layer * cfg.block_size * cfg.n_embd
 
 
+def model_and_batch(cfg: GPTConfig, batch: int):
+    """The step, update and profile parts' inputs: float32 parameters on CUDA (seed 0) and a
+    batch of random ids and targets (batch, block_size)."""
+    params = init_params(cfg, seed=0, backend="torch", dtype="float32", device="cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    idx, targets = (torch.randint(0, cfg.vocab_size, (batch, cfg.block_size),
+                                  generator=gen).cuda() for _ in range(2))  # fmt: skip
+    return params, idx, targets
+
+
 def gptlab_steps(cfg, params, idx, targets, precision: str) -> dict:
     """name -> a function running one forward + backward of a gptlab path."""
     steps = {f"gptlab {kernels}": FastStep(cfg, precision, kernels=kernels)
@@ -179,11 +189,8 @@ def nanogpt_steps(checkout: Path | None, idx, targets, precision: str) -> dict:
 
 
 def run_steps(args, cfg, peak: float, failures: list) -> list[dict]:
-    params = init_params(cfg, seed=0, backend="torch", dtype="float32", device="cuda")
+    params, idx, targets = model_and_batch(cfg, args.batch)
     n_params = sum(p.numel() for name, p in params.items() if name != "wpe.weight")
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    idx, targets = (torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size),
-                                  generator=gen).cuda() for _ in range(2))  # fmt: skip
     tokens = args.batch * cfg.block_size
     rows = []
     for precision in args.precisions:
@@ -238,10 +245,7 @@ def gpu_profile(step, steps: int) -> dict:
 
 
 def run_profile(args, cfg, failures: list) -> list[dict]:
-    params = init_params(cfg, seed=0, backend="torch", dtype="float32", device="cuda")
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    idx, targets = (torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size),
-                                  generator=gen).cuda() for _ in range(2))  # fmt: skip
+    params, idx, targets = model_and_batch(cfg, args.batch)
     steps = {**gptlab_steps(cfg, params, idx, targets, "bfloat16"),
              **nanogpt_steps(args.nanogpt, idx, targets, "bfloat16")}  # fmt: skip
     steps = working({name: steps[name] for name in PROFILED if name in steps}, failures,
@@ -313,10 +317,7 @@ def nanogpt_updates(checkout: Path | None, idx, targets, precision: str) -> dict
 
 
 def run_updates(args, cfg, failures: list) -> list[dict]:
-    params = init_params(cfg, seed=0, backend="torch", dtype="float32", device="cuda")
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    idx, targets = (torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size),
-                                  generator=gen).cuda() for _ in range(2))  # fmt: skip
+    params, idx, targets = model_and_batch(cfg, args.batch)
     rows = []
     for precision in args.precisions:
         updates = {**gptlab_updates(cfg, params, idx, targets, precision),
