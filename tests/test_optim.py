@@ -431,9 +431,9 @@ def test_decay_filters_take_matrices_and_expert_stacks_never_biases_or_gains():
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
 def test_clip_grad_norm_in_place_matches_torch(max_norm):
-    """clip_grad_norm_ takes what torch.nn.utils.clip_grad_norm_ takes: parameters (through their
-    .grad, a None grad skipped), plain tensors or NumPy arrays (the gradients themselves), or
-    one tensor; it scales them in place and returns the same norm."""
+    """clip_grad_norm_ takes what torch.nn.utils.clip_grad_norm_ takes: tensors (through their
+    .grad, a None grad skipped), NumPy arrays (the gradients themselves), or one tensor; it
+    scales them in place and returns the same norm."""
     def parameters():
         params = [g.clone().requires_grad_() for g in _grads(0, "torch").values()]
         for p in params:
@@ -457,3 +457,27 @@ def test_clip_grad_norm_in_place_matches_torch(max_norm):
     single.grad = torch.full((4,), 2.0, dtype=torch.float64)  # norm 4
     assert clip_grad_norm_(single, max_norm) == pytest.approx(4.0, rel=1e-15)
     assert float((single.grad - min(2.0, 2.0 * max_norm / 4.0)).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_grad_norm_in_place_skips_frozen_parameters(max_norm):
+    """A frozen parameter (requires_grad=False, so .grad None) holds no gradient: torch skips it,
+    and so does clip_grad_norm_, which neither counts nor rescales its weights (issue 33)."""
+    def parameters():
+        params = [torch.nn.Parameter(3.0 * g) for g in _grads(0, "torch").values()]
+        for i, p in enumerate(params):
+            if i % 3 == 0:
+                p.requires_grad_(False)  # frozen: an embedding or a quantized layer, say
+            else:
+                p.grad = p.detach().clone()
+        return params
+
+    expected = parameters()
+    norm = torch.nn.utils.clip_grad_norm_(expected, max_norm)
+    ours = parameters()
+    assert clip_grad_norm_(ours, max_norm) == pytest.approx(float(norm), rel=1e-13)
+    for p, q in zip(ours, expected):
+        assert torch.equal(p.detach(), q.detach())  # frozen or trainable, no weight is touched
+        assert (p.grad is None) == (q.grad is None) == (not p.requires_grad)
+        if p.grad is not None:
+            assert float((p.grad - q.grad).abs().max()) < 1e-14

@@ -91,14 +91,13 @@ def clip_grad_norm(grads: dict, max_norm: float, norm: float | None = None) -> f
 
 def clip_grad_norm_(parameters, max_norm: float, norm: float | None = None) -> float:
     """``clip_grad_norm`` in place, with the arguments of torch.nn.utils.clip_grad_norm_:
-    ``parameters`` is one tensor or array, or an iterable of them; a torch parameter (a tensor
-    with ``requires_grad``) is clipped through its ``.grad`` (None is skipped), any other tensor
-    or array is itself a gradient and scaled in place. Returns the norm before clipping, as a
-    Python float."""
+    ``parameters`` is one tensor or array, or an iterable of them. A torch tensor stands for its
+    ``.grad``, as in torch: a None grad (a frozen parameter, or no backward yet) is skipped and
+    the tensor itself is never touched. An array with no ``.grad`` (NumPy, array API) is itself
+    a gradient and scaled in place. Returns the norm before clipping, as a Python float."""
     if hasattr(parameters, "shape"):
         parameters = [parameters]
-    grads = [getattr(p, "grad", None) if getattr(p, "requires_grad", False) else p
-             for p in parameters]  # fmt: skip
+    grads = [p.grad if hasattr(p, "grad") else p for p in parameters]
     grads = {i: g for i, g in enumerate(grads) if g is not None}
     scaled = dict(grads)
     total_norm = clip_grad_norm(scaled, max_norm, norm)
