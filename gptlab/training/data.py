@@ -34,12 +34,14 @@ def embedded_corpus() -> str:
 def load_text(path=None) -> str:
     """The text of a UTF-8 file at ``path``, or the embedded corpus when ``path`` is None.
 
-    Raises OSError (a missing or unreadable file) or ValueError (empty, NUL bytes or not UTF-8),
-    each naming the path.
+    Raises OSError (a missing or unreadable file) or ValueError (not a regular file, such as
+    /dev/zero, which never ends; empty, NUL bytes or not UTF-8), each naming the path.
     """
     if path is None:
         return embedded_corpus()
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"the corpus {path} is not a regular file: expected a UTF-8 text file")
     try:
         raw = path.read_bytes()
     except OSError as err:
@@ -79,13 +81,12 @@ def get_batch(data_ids: np.ndarray, batch_size: int, block_size: int,
               rng: np.random.Generator | None = None, backend: str = "numpy", device=None):
     """Random windows of ``data_ids`` (N,) -> (x (B, T), y (B, T)) int64 on ``backend``/``device``.
 
-    Offsets come from ``rng`` (a ``numpy.random.Generator``), so saving
-    ``rng.bit_generator.state`` is enough to replay the batches exactly. Without one, a fresh
-    ``numpy.random.default_rng(0)``: every such call returns the same batch (pass a generator to
-    draw new batches each step).
+    Offsets come from ``rng`` (a ``numpy.random.Generator``): pass a seeded one for batches
+    that replay, and save ``rng.bit_generator.state`` to continue them exactly. Without one,
+    each call draws new offsets from fresh OS entropy, like an unseeded ``default_rng()``.
     """
     if rng is None:
-        rng = np.random.default_rng(0)
+        rng = np.random.default_rng()
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}")
     if len(data_ids) < block_size + 1:
