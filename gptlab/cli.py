@@ -23,7 +23,9 @@ import typing
 from dataclasses import Field, fields
 from pathlib import Path
 
-from .course.editions import CELL_TIMEOUT, CourseError, grade, instructor_edition, student_edition
+from .course.autograde import grade
+from .course.editions import CELL_TIMEOUT, CourseError, instructor_edition, student_edition
+from .course.sandbox import Limits
 
 TRAIN_GROUPS = {
     "model": ("n_layer", "n_head", "n_embd", "block_size", "gelu", "bias", "dropout", "position",
@@ -206,10 +208,11 @@ def _add_course_commands(commands) -> None:
     source_options(edition)
 
     grade = commands.add_parser(
-        "grade", help="autograde submitted chapters with nbgrader",
-        description="Grade SUBMISSIONS_DIR/<student>/<chapter>.ipynb with nbgrader autograde, "
-                    "hidden tests put back from the source, and write the points of every graded "
-                    "exercise to a CSV file (a total per student at the end).")
+        "grade", help="autograde submitted chapters, each in a sandbox",
+        description="Grade SUBMISSIONS_DIR/<student>/<chapter>.ipynb: each notebook runs in its "
+                    "own sandbox, the grading cells (hidden tests put back from the source) run "
+                    "in the grader and call the student's functions there; write the points of "
+                    "every graded exercise to a CSV file (a total per student at the end).")
     grade.add_argument("submissions", metavar="SUBMISSIONS_DIR",
                        help="one folder per student, holding <chapter>.ipynb files")
     source_options(grade)
@@ -218,6 +221,16 @@ def _add_course_commands(commands) -> None:
     grade.add_argument("--timeout", type=int, default=CELL_TIMEOUT,
                        help=f"seconds a cell may run before it is interrupted "
                             f"(default: {CELL_TIMEOUT})")
+    grade.add_argument("--notebook-timeout", type=float, default=Limits.wall_seconds,
+                       metavar="SECONDS",
+                       help="seconds a whole submission may take, its notebook and the calls of "
+                            "its functions, before all its processes are ended (default: "
+                            f"{Limits.wall_seconds:g})")
+    grade.add_argument("--memory", type=int, default=Limits.memory_mib, metavar="MIB",
+                       help=f"memory a submission may allocate (default: {Limits.memory_mib})")
+    grade.add_argument("--unsafe-no-sandbox", action="store_true",
+                       help="grade without the sandbox where it cannot start: the students' code "
+                            "then runs as you, and can read and change what you can")
     grade.add_argument("--autograded", default=None, metavar="DIR",
                        help="also keep the executed submissions, with what every grading cell "
                             "printed and without hidden tests, in DIR/<student>/<chapter>.ipynb "
@@ -374,8 +387,14 @@ def run_edition(args: argparse.Namespace) -> int:
 def run_grade(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
+    if args.timeout < 1 or args.notebook_timeout <= 0 or args.memory < 64:
+        raise ValueError("--timeout and --notebook-timeout must be positive, --memory at "
+                         "least 64 (MiB)")
+    limits = Limits(memory_mib=args.memory, cpu_seconds=int(args.notebook_timeout) + 1,
+                    wall_seconds=args.notebook_timeout)
     grades = grade(args.submissions, args.source, args.chapters, timeout=args.timeout,
-                   autograded=args.autograded, jobs=args.jobs, progress=True)
+                   autograded=args.autograded, jobs=args.jobs, progress=True, limits=limits,
+                   unsafe=args.unsafe_no_sandbox)
     grades.write_csv(args.out)
     logs = args.logs or str(Path(args.out).with_suffix(".logs"))
     grades.write_logs(logs)

@@ -1,10 +1,11 @@
-"""gptlab.course.editions end to end: nbgrader's student edition of a chapter withholds the solutions and
+"""gptlab.course end to end: nbgrader's student edition of a chapter withholds the solutions and
 the hidden tests, and the autograder scores the untouched student edition 0, the instructor
 source full marks, and a source with one planted mistake all but that exercise's points.
 
 Runs on tests/fixtures/course/01_fixture.ipynb (two graded exercises, one check_backward, one
-check_function, a written question) and on chapter 8 once it has grading cells. nbgrader runs
-each submission in a kernel: a few seconds each."""
+check_function, a written question) and on chapter 8 once it has grading cells. Each submission
+runs in its own sandbox (tests/test_grading_sandbox.py plants the attacks of issue 34): a few
+seconds each."""
 
 import json
 import re
@@ -15,6 +16,7 @@ import nbformat
 import psutil
 import pytest
 
+from gptlab.course import autograde, integrity
 from gptlab.course import editions as course
 from gptlab.cli import main
 
@@ -154,6 +156,105 @@ CHEATS = {
 }
 
 
+# Honest answers in the styles of issue 34: style -> (ex1 answer, ex2 answer).
+STYLES = {
+    "float32": ("""def rmsnorm_backward(dy, cache):
+    xhat, w, rstd = cache
+    g = dy * w
+    dot = np.einsum("...c,...c->...", g, xhat)[..., None] * (1.0 / dy.shape[-1])
+    dw = (dy * xhat).reshape(-1, dy.shape[-1]).sum(axis=0, dtype=dy.dtype)
+    return (rstd * (g - xhat * dot)).astype(dy.dtype), dw
+""", """def softmax(x):
+    e = np.exp(x - np.amax(x, axis=-1, keepdims=True), dtype=x.dtype)
+    return (e / np.sum(e, axis=-1, keepdims=True)).astype(x.dtype, copy=False)
+"""),
+    "deleted": ("""def _row_mean(a):
+    return a.mean(axis=-1, keepdims=True)
+
+
+def _sum_rows(a):
+    return a.reshape(-1, a.shape[-1]).sum(axis=0)
+
+
+def rmsnorm_backward(dy, cache):
+    xhat, w, rstd = cache
+    g = dy * w
+    return rstd * (g - xhat * _row_mean(g * xhat)), _sum_rows(dy * xhat)
+""", """def _stable(x):
+    return x - x.max(axis=-1, keepdims=True)
+
+
+def softmax(x):
+    e = np.exp(_stable(x))
+    return e / e.sum(axis=-1, keepdims=True)
+"""),
+    "colab": ("""def rmsnorm_backward(dy, cache):
+    xhat, w, rstd = cache
+    x = xhat / rstd
+    g = dy * w
+    dx = g * rstd - x * rstd**3 * np.sum(g * x, axis=-1, keepdims=True) / x.shape[-1]
+    return dx, np.sum(dy * xhat, axis=tuple(range(dy.ndim - 1)))
+""", """def softmax(x):
+    m = np.max(x, axis=-1, keepdims=True)
+    return np.exp(x - (m + np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))))
+"""),
+    "jupyterlab": ("""def rmsnorm_backward(dy, cache):
+    xhat, w, rstd = cache
+    C = dy.shape[-1]
+    flat_dy, flat_xhat = dy.reshape(-1, C), xhat.reshape(-1, C)
+    g = dy * w
+    dx = rstd * g - rstd * xhat * (g * xhat).mean(-1, keepdims=True)
+    return dx, (flat_dy * flat_xhat).sum(0)
+""", """def softmax(x):
+    shifted = x - x.max(-1)[..., None]
+    return np.exp(shifted) / np.exp(shifted).sum(-1)[..., None]
+"""),
+    "matplotlib": (HONEST["ex1"].replace("projection", "p"), HONEST["ex2"]),
+    "out-of-order": ("""def rmsnorm_backward(dy, cache):
+    xhat, w, rstd = cache
+    g = dy * w
+    mean = np.mean(g * xhat, axis=-1, keepdims=True)
+    return rstd * g - rstd * mean * xhat, np.sum(dy * xhat, axis=tuple(range(dy.ndim - 1)))
+""", """def softmax(x):
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / np.add.reduce(e, axis=-1, keepdims=True)
+"""),
+}
+MATPLOTLIB = """import matplotlib.pyplot as plt
+xs = np.linspace(-3, 3, 50)
+plt.plot(xs, softmax(np.stack([xs, -xs], -1))[:, 0])
+plt.title("my softmax")
+plt.show()
+"""
+
+
+def _as_colab(nb) -> None:
+    """What Colab keeps of a notebook: its own metadata, nbgrader's gone."""
+    nb.metadata = {"colab": {"provenance": []}, "kernelspec": {"name": "python3",
+                                                             "display_name": "Python 3"}}
+    for k, cell in enumerate(nb.cells):
+        cell.metadata = {"id": f"c{k:04x}"}
+
+
+def _as_jupyterlab(nb) -> None:
+    """JupyterLab's metadata: execution times, tags, outputs of a run."""
+    for cell in nb.cells:
+        cell.metadata.setdefault("tags", [])
+        if cell.cell_type == "code":
+            cell.metadata["execution"] = {"iopub.execute_input": "2026-11-20T10:00:00.000Z"}
+            cell.execution_count = 3
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="ran\n")]
+
+
+def _out_of_order(nb) -> None:
+    """Cells run out of order, and the answer to exercise 2 moved below its grading cell."""
+    for k, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        cell.execution_count = 40 - k
+    answer = _cell(nb, "ex2_answer")
+    nb.cells.remove(answer)
+    nb.cells.insert(nb.cells.index(_cell(nb, "ex2")) + 1, answer)
+
+
 def _answered(nb, answers: dict):
     """A copy of the student edition ``nb`` with the answer cells of ``answers`` (exercise ->
     code) written in."""
@@ -171,12 +272,13 @@ def _tamper(nb, exercise: str):
     return nb
 
 
-def _kernels() -> set[int]:
-    """The Jupyter kernels this process started (not multiprocessing's resource tracker)."""
+def _sandboxes() -> set[int]:
+    """The sandboxes and runners this process started, and whatever they started."""
     found = set()
     for process in psutil.Process().children(recursive=True):
         try:
-            if any("ipykernel" in part for part in process.cmdline()):
+            if any("bwrap" in part or "gptlab.course.runner" in part
+                   for part in process.cmdline()) or process.uids().real == 65534:
                 found.add(process.pid)
         except psutil.NoSuchProcess:
             continue
@@ -213,14 +315,15 @@ def graded(request, tmp_path_factory, monkeypatch_module):
                                    "    warnings.warn('a float64 constant')\n"
                                    "    print('debug', file=sys.stderr)\n", 1)
             for exercise, code in HONEST.items()})
-        deleted = nbformat.from_dict(json.loads(json.dumps(honest)))
-        deleted.cells = [c for c in deleted.cells
-                         if c.metadata.get("nbgrader", {}).get("grade_id") not in ("ex1", "ex1_given")]
-        submissions["deleted"] = deleted
-        stripped = nbformat.from_dict(json.loads(json.dumps(honest)))
-        for c in stripped.cells:
-            c.metadata.pop("nbgrader", None)
-        submissions["stripped"] = stripped
+        for style, (ex1, ex2) in STYLES.items():
+            submissions[style] = _answered(student_nb, {"ex1": ex1, "ex2": ex2})
+        submissions["deleted"].cells = [
+            c for c in submissions["deleted"].cells
+            if c.metadata.get("nbgrader", {}).get("grade_id") not in ("ex1", "ex1_given")]
+        _as_colab(submissions["colab"])
+        _as_jupyterlab(submissions["jupyterlab"])
+        _out_of_order(submissions["out-of-order"])
+        submissions["matplotlib"].cells.append(nbformat.v4.new_code_cell(MATPLOTLIB))
         for student, (ex1, ex2, _) in CHEATS.items():
             submissions[student] = _answered(student_nb, {"ex1": ex1, "ex2": ex2})
     else:
@@ -231,12 +334,12 @@ def graded(request, tmp_path_factory, monkeypatch_module):
     if chapter == FIXTURE:
         nbformat.write(submissions["honest"], tmp / "submitted" / "honest" / SECOND.name)
 
-    kernels_before = _kernels()
-    grades = course.grade(tmp / "submitted", source, only, timeout=300,
-                          autograded=tmp / "autograded", jobs=2)
-    kernels_after = _kernels()
+    before = _sandboxes()
+    grades = autograde.grade(tmp / "submitted", source, only, timeout=300,
+                             autograded=tmp / "autograded", jobs=2)
+    after = _sandboxes()
     return dict(chapter=chapter, tmp=tmp, grades=grades, graded_ids=graded_ids,
-                student_nb=student_nb, source_nb=source_nb, leftover=kernels_after - kernels_before)
+                student_nb=student_nb, source_nb=source_nb, leftover=after - before)
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +386,7 @@ def test_the_student_edition_withholds_solutions_and_hidden_tests(graded):
 
 
 def test_every_grading_cell_of_the_student_edition_fails(graded):
+    """The feedback shows each grading cell's report, from the grader."""
     run = nbformat.read(graded["tmp"] / "autograded" / "untouched" / graded["chapter"].name, 4)
     errors = {c.metadata.nbgrader["grade_id"]: [o for o in c.outputs if o.output_type == "error"]
               for c in course._graded_cells(run)}
@@ -304,7 +408,7 @@ def test_grades_untouched_zero_instructor_full_a_mistake_loses_its_exercise(grad
     for student in mistakes:
         wrong = student.removeprefix("mistake-")
         assert _points(grades, student, chapter) == {**full, wrong: (0.0, full[wrong][1])}
-    assert graded["leftover"] == set(), "kernels left running after grading"
+    assert graded["leftover"] == set(), "processes left running after grading"
 
 
 def test_an_edited_grading_cell_is_put_back_and_reported(graded):
@@ -347,17 +451,18 @@ def test_a_chapter_not_handed_in_counts_zero_of_its_points(graded):
 
 
 def test_correct_work_scores_full_marks(graded):
-    """Warnings and stderr in a correct answer, a deleted grading cell, stripped metadata."""
+    """Warnings and stderr in a correct answer, a deleted grading cell, and each style of issue
+    34: float32 throughout, helpers, another formula, matplotlib, JupyterLab's and Colab's
+    metadata (nbgrader's stripped), cells out of order."""
     if graded["chapter"] != FIXTURE:
         pytest.skip("planted in the fixture only")
     grades = graded["grades"]
-    for student in ("honest", "chatty", "deleted", "stripped"):
+    for student in ("honest", "chatty", *STYLES):
         assert _points(grades, student) == {"ex1": (4.0, 4.0), "ex2": (2.0, 2.0)}, student
-    assert grades.flagged("honest") == [] and grades.flagged("chatty") == []
+        if student != "deleted":  # Colab's stripped metadata is no suspicion (issue 34)
+            assert grades.flagged(student) == [], student
     assert grades.flagged("deleted", FIXTURE.stem) == [
         "missing, put back: given cell ex1_given; grading cell ex1"]
-    assert grades.flagged("stripped", FIXTURE.stem)[0].startswith(
-        "missing, put back: the nbgrader metadata of ex1_given, ex1_answer, ex1")
     feedback = (graded["tmp"] / "autograded" / "chatty" / FIXTURE.name).read_text()
     assert "warns UserWarning: a float64 constant" in feedback and "stderr: debug" in feedback
 
@@ -405,13 +510,13 @@ def test_rubric_lists_points_checkers_hidden_tests_and_model_answers():
 
 def test_bad_input_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="submissions folder"):
-        course.grade(tmp_path / "missing", FIXTURE.parent)
+        autograde.grade(tmp_path / "missing", FIXTURE.parent)
     with pytest.raises(ValueError, match="no chapter '99'"):
         course.chapters(FIXTURE.parent, ["99"])
     (tmp_path / "ann").mkdir()
     (tmp_path / "ann" / "notes.ipynb").write_text("{}")
     with pytest.raises(ValueError, match="notes.ipynb is not a chapter"):
-        course.grade(tmp_path, FIXTURE.parent)
+        autograde.grade(tmp_path, FIXTURE.parent)
     # the command line says the same, without a traceback
     assert main(["grade", str(tmp_path), "--source", str(FIXTURE.parent)]) == 2
     assert main(["grade", str(tmp_path), "--source", str(FIXTURE.parent), "--jobs", "0"]) == 2
@@ -424,9 +529,10 @@ def test_only_the_chosen_chapters_are_graded(tmp_path):
     for path in chapters:
         path.write_text("{}")
         (tmp_path / "submitted" / "ann" / path.name).write_text("{}")
-    found = course._submissions(tmp_path / "submitted", chapters,
-                                course.chapters(tmp_path / "book", ["02"]))
-    assert found == [("ann", chapters[1], tmp_path / "submitted" / "ann" / "02_b.ipynb")]
+    found = integrity.submissions(tmp_path / "submitted", chapters,
+                                  course.chapters(tmp_path / "book", ["02"]))
+    assert found == [integrity.Submission("ann", chapters[1],
+                                          tmp_path / "submitted" / "ann" / "02_b.ipynb")]
 
 
 def test_nbgrader_rejects_broken_metadata_and_the_error_says_why(tmp_path):

@@ -28,6 +28,7 @@ import functools
 import html
 import inspect
 import io
+import marshal
 import sys
 import threading
 import warnings
@@ -42,9 +43,11 @@ from ..backend import asarray_like, to_numpy
 from ..gradcheck import TOLERANCE, GradcheckEntry, format_float, check_layer
 
 FLOAT32_TOLERANCE = 1e-4  # relative error of float32 gradients against the float64 ones
+COURSE = __name__.rsplit(".", 1)[0] + "."  # the course's modules: the checks and the grader
 
-__all__ = ["FLOAT32_TOLERANCE", "GradeReport", "GradingError", "cases", "check_backward",
-           "check_function", "guard", "package_functions"]
+__all__ = ["FLOAT32_TOLERANCE", "GradeReport", "GradingError", "cases",
+           "check_backward", "check_function", "guard", "guard_spec", "open_guards",
+           "package_functions", "recorded", "spec_bodies", "watch"]
 
 
 class GradingError(AssertionError):
@@ -138,6 +141,9 @@ def _watch_engine(calls: list):
         variable._execution_engine = engine
 
 
+_OPEN_GUARDS: list[tuple[tuple, tuple]] = []  # (allow, forbid) of each guard open now
+
+
 @contextmanager
 def guard(*, allow=(), forbid=()):
     """Fail (GradingError) if the code inside calls autograd, a gptlab backward or ``forbid``.
@@ -146,12 +152,44 @@ def guard(*, allow=(), forbid=()):
     exercise builds on it); whatever they call in turn is allowed too. The functions are known by
     what they do (:func:`_body`), not by name; the guard watches every thread
     (``threading.setprofile``) and torch's autograd engine itself, and fails the code if it
-    removes the guard's profile (``sys.setprofile(None)``).
+    removes the guard's profile (``sys.setprofile(None)``). A student's function that runs in
+    its sandbox (the autograder's) is called there under the guards open here.
     """
-    forbidden = {_body(code): name for code, name in
-                 {**_gptlab_backward_functions(), **_autograd_entries()}.items()}
-    forbidden.update({_body(_code(fn)): _qualified(fn) for fn in forbid})
-    allowed = {_body(_code(fn)) for fn in allow}
+    _OPEN_GUARDS.append((tuple(allow), tuple(forbid)))
+    try:
+        with watch({_body(_code(fn)) for fn in allow},
+                   {_body(_code(fn)): _qualified(fn) for fn in forbid}):
+            yield
+    finally:
+        _OPEN_GUARDS.pop()
+
+
+def open_guards() -> tuple[tuple, tuple]:
+    """(allow, forbid): the functions of every :func:`guard` open now, together."""
+    return (tuple(fn for allow, _ in _OPEN_GUARDS for fn in allow),
+            tuple(fn for _, forbid in _OPEN_GUARDS for fn in forbid))
+
+
+def guard_spec(allow, forbid) -> tuple[list, list]:
+    """What a guard allows and forbids, as the sandbox receives it: the marshalled code of each
+    function (and the name of each forbidden one)."""
+    return ([marshal.dumps(_code(fn)) for fn in allow],
+            [(marshal.dumps(_code(fn)), _qualified(fn)) for fn in forbid])
+
+
+def spec_bodies(spec) -> tuple[set, dict]:
+    """:func:`guard_spec` read back (in the sandbox): the bodies allowed, body -> name forbidden."""
+    allow, forbid = spec
+    return ({_body(marshal.loads(code)) for code in allow},
+            {_body(marshal.loads(code)): name for code, name in forbid})
+
+
+@contextmanager
+def watch(allowed: set, forbidden: dict):
+    """:func:`guard` on bodies (:func:`_body`): ``forbidden`` body -> name, on top of autograd
+    and gptlab's backward functions; ``allowed`` bodies and what they call pass."""
+    forbidden = {**{_body(code): name for code, name in
+                    {**_gptlab_backward_functions(), **_autograd_entries()}.items()}, **forbidden}
     calls: list[str] = []
     depth = threading.local()  # how many allowed functions are running, per thread
     known: dict = {}  # id(code) -> (code, its name if forbidden, "" if allowed, None if neither)
@@ -193,7 +231,7 @@ def guard(*, allow=(), forbid=()):
 
 def package_functions(*, allow_modules=(), allow=()) -> tuple[list, list]:
     """``(allowed, forbidden)``: the Python functions and methods of every loaded gptlab module
-    but this one and gradcheck, split into those of ``allow_modules`` or in ``allow`` and the
+    but the course's own (this one, the grader's) and gradcheck, split into those of ``allow_modules`` or in ``allow`` and the
     others: ``check_function(..., allow=allowed, forbid=forbidden)`` enforces a whitelist
     ("from gptlab you may use the configuration and the data helpers")."""
     allowed_modules = {module.__name__ for module in allow_modules}
@@ -201,7 +239,7 @@ def package_functions(*, allow_modules=(), allow=()) -> tuple[list, list]:
     found: dict = {}
     for module_name, module in list(sys.modules.items()):
         if module is None or not module_name.startswith("gptlab.") \
-                or module_name in (__name__, gradcheck.__name__):
+                or module_name.startswith(COURSE) or module_name == gradcheck.__name__:
             continue
         for obj in list(vars(module).values()):
             members = [obj] if inspect.isfunction(obj) else [
@@ -216,20 +254,31 @@ def package_functions(*, allow_modules=(), allow=()) -> tuple[list, list]:
     return split
 
 
+@contextmanager
+def recorded(said: list):
+    """What the code inside warns and prints on stderr, recorded in ``said`` (it fails nothing)."""
+    stderr = io.StringIO()
+    try:
+        with warnings.catch_warnings(record=True) as warned, redirect_stderr(stderr):
+            warnings.simplefilter("always")
+            yield
+    finally:
+        said.extend(f"warns {w.category.__name__}: {w.message}" for w in warned)
+        said.extend(f"stderr: {line}" for line in stderr.getvalue().splitlines() if line)
+
+
 def _guarded(fn, allow, forbid, said: list):
     """``fn`` under :func:`guard`, what it prints on stderr and warns recorded in ``said``,
-    and the modules the checks rely on put back if it changed them (a failure)."""
+    and the modules the checks rely on put back if it changed them (a failure). A student's
+    function in its sandbox (``call_guarded``) is called there, under the same guard."""
+    if hasattr(fn, "call_guarded"):
+        return lambda *args, **kwargs: fn.call_guarded(args, kwargs, allow, forbid, said)
 
     def run(*args, **kwargs):
-        stderr = io.StringIO()
         try:
-            with warnings.catch_warnings(record=True) as warned, redirect_stderr(stderr):
-                warnings.simplefilter("always")
-                with guard(allow=allow, forbid=forbid):
-                    return fn(*args, **kwargs)
+            with recorded(said), guard(allow=allow, forbid=forbid):
+                return fn(*args, **kwargs)
         finally:
-            said.extend(f"warns {w.category.__name__}: {w.message}" for w in warned)
-            said.extend(f"stderr: {line}" for line in stderr.getvalue().splitlines() if line)
             if changed := _restore():
                 raise GradingError(f"changes {', '.join(changed)} while it runs")
 
@@ -341,9 +390,10 @@ def _with_said(detail: str, said: list[str]) -> str:
 
 
 def _failure(error: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
+    """An exception as one line: its type (the student's, for one raised in the sandbox) and
+    the first line of its message."""
     message = str(error).strip().splitlines()
-    return type(error).__name__ + (f": {message[0]}" if message else "")
+    return getattr(error, "kind", type(error).__name__) + (f": {message[0]}" if message else "")
 
 
 # ---------------------------------------------------------------------------------------------
