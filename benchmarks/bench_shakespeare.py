@@ -194,7 +194,7 @@ def run_nanogpt(checkout: Path, data: Path, max_iters: int, eval_interval: int,
         if child.returncode != 0:
             raise RuntimeError(f"nanoGPT's train.py failed (exit {child.returncode}):\n"
                                f"{log[-3000:]}")
-        checkpoint = torch.load(work / "out" / "ckpt.pt", map_location="cpu")
+        checkpoint = torch.load(work / "out" / "ckpt.pt", map_location="cpu", weights_only=True)
     if checkpoint["iter_num"] != max_iters:
         raise RuntimeError(f"nanoGPT's last checkpoint is from step {checkpoint['iter_num']}, "
                            f"not {max_iters}: pass a --max-iters divisible by --chunk")

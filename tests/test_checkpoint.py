@@ -3,11 +3,14 @@ truncated or foreign files, crash-safe saves."""
 
 from __future__ import annotations
 
+import ast
+import errno
 import io
 import json
 import os
 import re
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,19 +88,23 @@ def test_new_save_replaces_old_files(tmp_path):
     assert load_run_checkpoint(tmp_path).step == 2
 
 
+class SimulatedCrash(BaseException):
+    """A process dying mid-save: nothing catches it (the command line catches Ctrl-C)."""
+
+
 @contextmanager
 def killed_at_state_json(monkeypatch):
-    """A save in the block dies (KeyboardInterrupt) as it comes to write state.json, every
-    other file of its checkpoint written: what SIGKILL at the worst moment leaves."""
+    """A save in the block dies (SimulatedCrash) as it comes to write state.json, every other
+    file of its checkpoint written: what SIGKILL at the worst moment leaves."""
     real_write = ckpt_module.atomic_write
 
     def crash_on_state(path, data):
         if path.name == STATE_FILE:
-            raise KeyboardInterrupt("simulated crash")
+            raise SimulatedCrash("simulated crash")
         real_write(path, data)
 
     monkeypatch.setattr(ckpt_module, "atomic_write", crash_on_state)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SimulatedCrash):
         yield
     monkeypatch.undo()
 
@@ -515,3 +522,123 @@ def test_variants_round_trip_with_their_names_and_config(tmp_path, variant):
     with safe_open(tmp_path / "one.safetensors", framework="np") as f:
         names = set(f.keys())
     assert set(param_shapes(cfg)) <= names  # the parameters under their own names
+
+
+# ------------------------------------------------------------------------------------------------
+# Nothing saved is lost or silently wrong (issue 33)
+
+USER_FILES = ["model-best.safetensors", "tokenizer-2.json", "index-notes.json",
+              "model-00001-of-00002.safetensors", "optimizer-notes.txt", "shard-a.safetensors"]
+
+
+def test_a_save_removes_only_the_files_earlier_saves_recorded(tmp_path):
+    """The user's files stay whatever their names (the patterns of checkpoint files too); the
+    previous checkpoint's files, and those a killed save began, go."""
+    _save(tmp_path, 1, *_trained(1))
+    for name in USER_FILES:
+        (tmp_path / name).write_bytes(b"the user's " + name.encode())
+    _save(tmp_path, 2, *_trained(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*USER_FILES, "model-00000002.safetensors", "optimizer-00000002.safetensors",
+         STATE_FILE, "tokenizer.json"])
+    for name in USER_FILES:
+        assert (tmp_path / name).read_bytes() == b"the user's " + name.encode()
+
+
+def test_the_files_of_a_killed_save_go_with_the_next_save(tmp_path, monkeypatch):
+    _save(tmp_path, 1, *_trained(1))
+    with killed_at_state_json(monkeypatch):
+        _save(tmp_path, 2, *_trained(2))
+    assert (tmp_path / "model-00000002.safetensors").is_file()
+    _save(tmp_path, 3, *_trained(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "model-00000003.safetensors", "optimizer-00000003.safetensors", STATE_FILE,
+        "tokenizer.json"]
+
+
+def _edit_state(run_dir, edit) -> None:
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    edit(state)
+    (run_dir / STATE_FILE).write_text(json.dumps(state))
+
+
+def test_a_state_file_that_says_version_1_is_refused_not_read_unverified(tmp_path):
+    """Version 1 had no checksums: a state.json that claims it would turn them off."""
+    _save(tmp_path, 3, *_trained(3))
+    _edit_state(tmp_path, lambda state: state.update(format_version=1))
+    with pytest.raises(ValueError, match="format version 1, this gptlab reads version 2 only"):
+        load_run_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["../outside", "{tmp}/outside", "sub"])
+def test_file_names_that_leave_the_run_directory_are_refused(tmp_path, where):
+    """Even with the file there and its sha256 recorded: a checkpoint names its own files."""
+    run_dir = tmp_path / "run"
+    _save(run_dir, 3, *_trained(3))
+    name = f"{where.format(tmp=tmp_path)}/model-00000003.safetensors"
+    (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / name).write_bytes((run_dir / "model-00000003.safetensors").read_bytes())
+    _edit_state(run_dir, lambda state: (state.update(model_file=name), state["sha256"].update(
+        {name: state["sha256"]["model-00000003.safetensors"]})))
+    with pytest.raises(ValueError, match=re.escape(f"the file name {name!r} is not a file of")):
+        load_run_checkpoint(run_dir)
+
+
+def _rehashed(run_dir, name: str) -> None:
+    """Record the sha256 of ``name`` as it is now: the damage of a writer, not of the disk."""
+    data = (run_dir / name).read_bytes()
+    _edit_state(run_dir, lambda state: state["sha256"].update(
+        {name: ckpt_module.sha256_of(data)}))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_weights_that_are_not_finite_are_refused_naming_the_tensor(tmp_path, value):
+    params, opt = _trained(3)
+    params = {**params, "h.0.attn.c_proj.weight": params["h.0.attn.c_proj.weight"].clone()}
+    params["h.0.attn.c_proj.weight"][1, 2] = value
+    _save(tmp_path, 3, params, opt)
+    with pytest.raises(ValueError, match=r"model-00000003.safetensors: the tensor "
+                                         r"h.0.attn.c_proj.weight holds"):
+        load_run_checkpoint(tmp_path)
+    save_checkpoint(tmp_path / "one.safetensors", params, opt, step=3, config=CFG)
+    with pytest.raises(ValueError, match=r"one.safetensors: the tensor h.0.attn.c_proj.weight"):
+        load_checkpoint(tmp_path / "one.safetensors")
+
+
+def test_a_tokenizer_with_other_ids_than_the_model_is_refused(tmp_path):
+    _save(tmp_path, 3, *_trained(3))
+    CharTokenizer.from_text("abcd").save(tmp_path / "tokenizer.json")
+    _rehashed(tmp_path, "tokenizer.json")
+    with pytest.raises(ValueError, match="tokenizer.json: the tokenizer has 4 ids, the model 5"):
+        load_run_checkpoint(tmp_path)
+
+
+def test_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    """The disk fills up after the save's journal, as the weights are written."""
+    real_fsync, calls = os.fsync, []
+
+    def fills_up(fd):
+        calls.append(fd)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fills_up)
+    with pytest.raises(OSError, match=f"cannot write {re.escape(str(tmp_path))}/model-00000003"
+                                      r".safetensors: No space left on device"):
+        _save(tmp_path, 3, *_trained(3))
+    assert not list(tmp_path.glob(".*.tmp-*"))  # no temporary file left
+
+
+def test_every_torch_load_unpickles_weights_only():
+    """torch.load without weights_only=True runs any code a pickle names."""
+    root = Path(__file__).resolve().parent.parent
+    unsafe = []
+    for path in sorted([*root.glob("gptlab/**/*.py"), *root.glob("benchmarks/*.py"),
+                        *root.glob("tools/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load"
+                    and not any(k.arg == "weights_only" and ast.unparse(k.value) == "True"
+                                for k in node.keywords)):
+                unsafe.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not unsafe

@@ -38,6 +38,7 @@ or ``overwrite``.
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import hashlib
 import io
 import json
@@ -59,17 +60,29 @@ from .optim import SGD, AdamW
 
 FORMAT = "gptlab-checkpoint"  # the weight files and state.json of a training run directory
 FORMAT_VERSION = 2  # 2: checksums in state.json and the index, rank/world size/mode in shards
-READABLE_VERSIONS = (1, 2)  # version 1 (no checksums) still loads, unverified
 FILE_FORMAT = "gptlab-checkpoint-file"  # the single-file checkpoint
 FILE_FORMAT_VERSION = 1
 OPTIMIZER_PREFIX = "optimizer/"  # the optimizer's tensors in a single-file checkpoint
 STATE_FILE = "state.json"
 TOKENIZER_FILE = "tokenizer.json"
 LOCK_FILE = "run.lock"
-WEIGHT_PATTERNS = ("model-*.safetensors", "optimizer-*.safetensors", "shard-*.safetensors",
-                   "index-*.json", "tokenizer.json", "tokenizer-[0-9]*.json",
-                   ".*.tmp-*")  # the files a save may remove once they are named no more
+# The names of the files a checkpoint writes. A save removes such a file only once an earlier
+# checkpoint of the run recorded it, and the temporary files of killed saves (``atomic_write``
+# names them ".<name>.tmp-<pid>"); the user's own files stay, whatever their names.
+CHECKPOINT_PATTERNS = ("model-*.safetensors", "optimizer-*.safetensors", "shard-*.safetensors",
+                       "index-*.json", "tokenizer*.json")
+TEMP_PATTERNS = tuple(f".{pattern}.tmp-[0-9]*" for pattern in (*CHECKPOINT_PATTERNS, STATE_FILE))
+JOURNAL_PREFIX = ".gptlab-journal-"  # + pid: the files a save of that process began to write
 OPTIMIZER_BUFFERS = {AdamW.kind: AdamW.buffers, SGD.kind: SGD.buffers}
+
+
+@contextmanager
+def naming(path):
+    """An OSError inside the block (a full disk, say) names ``path``, the file being written."""
+    try:
+        yield
+    except OSError as err:
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from err
 
 
 def atomic_write(path, data: bytes) -> None:
@@ -80,11 +93,12 @@ def atomic_write(path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with naming(path):
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -352,6 +366,7 @@ def load_checkpoint(source, backend: str = "numpy", dtype=None, device=None) -> 
     if recorded is not None and recorded != _tensors_sha256(tensors):
         raise ValueError(f"{name}: its tensors do not match the sha256 its header records: the "
                          "file was damaged or changed after it was saved")
+    check_finite(tensors, name)
     params = {n: convert(x, backend, dtype=dtype, device=device) for n, x in params.items()}
     if optimizer is None:
         return Checkpoint(params, step, config, None, None, name)
@@ -379,8 +394,19 @@ def _write_new(out_dir: Path, name: str, data: bytes) -> str:
             return candidate
         n += 1
         candidate = f"{stem}-{n}.{ext}"
+    _journal(out_dir, candidate)
     atomic_write(out_dir / candidate, data)
     return candidate
+
+
+def _journal(out_dir: Path, name: str) -> None:
+    """Note in this process's journal (JOURNAL_PREFIX + pid) that a save is about to write
+    ``name``: should it die before its state.json, the next save knows the file for its own."""
+    path = out_dir / f"{JOURNAL_PREFIX}{os.getpid()}"
+    with naming(path), open(path, "a", encoding="utf-8") as journal:
+        journal.write(name + "\n")
+        journal.flush()
+        os.fsync(journal.fileno())
 
 
 def write_files(out_dir: Path, files: dict[str, tuple[str, bytes]]) -> tuple[dict, dict]:
@@ -393,15 +419,40 @@ def write_files(out_dir: Path, files: dict[str, tuple[str, bytes]]) -> tuple[dic
     return names, sha256
 
 
+def recorded_files(out_dir: Path) -> set[str]:
+    """The checkpoint files (CHECKPOINT_PATTERNS) that the saves in ``out_dir`` recorded: the
+    ones its state.json names, the shards its index names, and those in the journals of saves
+    since (killed ones' too). A file no save recorded is never removed."""
+    names = set()
+    for journal in out_dir.glob(JOURNAL_PREFIX + "*"):
+        names.update(journal.read_text(encoding="utf-8").split())
+    try:
+        state = read_state(out_dir)
+    except (OSError, ValueError):  # no checkpoint, or a damaged one: its files stay
+        state = {"sha256": {}}
+    names.update(state["sha256"])
+    if "index_file" in state:
+        try:
+            index = json.loads(read_bytes(out_dir / state["index_file"]))
+            names.update(shard["file"] for shard in index["shards"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged index: its shards stay
+    return {name for name in names if is_plain_file_name(name)
+            and any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_PATTERNS)}
+
+
 def commit_state(out_dir: Path, state: dict, keep) -> Path:
     """Write ``state`` as out_dir/state.json (atomically: this completes the checkpoint), then
-    remove the checkpoint files (WEIGHT_PATTERNS) it does not name (``keep``), of older steps,
-    other world sizes, replaced runs, and the temporary files of killed saves."""
+    remove the files that earlier saves recorded (``recorded_files``) and ``keep`` (the new
+    checkpoint's) does not name, the journals and the temporary files of killed saves
+    (TEMP_PATTERNS). The user's own files stay, whatever their names."""
+    previous = recorded_files(out_dir)
     atomic_write(out_dir / STATE_FILE, json.dumps(state, indent=1).encode("utf-8"))
-    for pattern in WEIGHT_PATTERNS:
+    for name in previous - set(keep):
+        (out_dir / name).unlink(missing_ok=True)
+    for pattern in (JOURNAL_PREFIX + "*", *TEMP_PATTERNS):
         for path in out_dir.glob(pattern):
-            if path.name not in keep:
-                path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
     return out_dir / STATE_FILE
 
 
@@ -473,13 +524,15 @@ def read_state(ckpt_dir) -> dict:
         raise ValueError(f"{path}: not a gptlab checkpoint state file ({err})") from err
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path}: not a gptlab checkpoint (no \"format\": \"{FORMAT}\")")
-    if state.get("format_version") not in READABLE_VERSIONS:
+    if state.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format version {state.get('format_version')!r}, "
-                         f"this gptlab reads versions {READABLE_VERSIONS}")
+                         f"this gptlab reads version {FORMAT_VERSION} only (the one whose files "
+                         "carry checksums)")
     files = ({"index_file": str} if "index_file" in state
              else {"model_file": str, "optimizer_file": str})
-    checksums = {"sha256": dict} if state["format_version"] >= 2 else {}
-    require_fields(state, {**STATE_FIELDS, **files, **checksums}, path)
+    require_fields(state, {**STATE_FIELDS, **files, "sha256": dict}, path)
+    for key in (*files, "tokenizer_file"):
+        require_plain_file_name(state[key], path)
     if state["optimizer_kind"] not in OPTIMIZER_BUFFERS:
         raise ValueError(f"{path}: unknown optimizer_kind {state['optimizer_kind']!r}, expected "
                          f"one of {sorted(OPTIMIZER_BUFFERS)}")
@@ -495,27 +548,26 @@ def state_model_config(ckpt_dir, state: dict) -> GPTConfig:
                          f"GPTConfig ({err})") from err
 
 
-def recorded_sha256(ckpt_dir, state: dict, name: str) -> str | None:
-    """The sha256 that state.json records for the file ``name`` (None: format version 1)."""
-    if state["format_version"] < 2:
-        return None
+def recorded_sha256(ckpt_dir, state: dict, name: str) -> str:
+    """The sha256 that state.json records for the file ``name``."""
     sha256 = state["sha256"].get(name)
     if not isinstance(sha256, str):
         raise ValueError(f"{Path(ckpt_dir) / STATE_FILE}: records no sha256 for {name}")
     return sha256
 
 
-def check_sha256(path: Path, data: bytes, expected: str | None, recorded_in: Path) -> None:
+def check_sha256(path: Path, data: bytes, expected: str, recorded_in: Path) -> None:
     """ValueError naming ``path`` when ``data`` (its bytes) are not the ones saved."""
-    if expected is not None and sha256_of(data) != expected:
+    if sha256_of(data) != expected:
         raise ValueError(f"{path}: its bytes do not match the sha256 that {recorded_in} records "
                          "for it: the file was damaged or replaced after it was saved")
 
 
-def read_tensors(path: Path, expected: dict[str, str], sha256: str | None,
+def read_tensors(path: Path, expected: dict[str, str], sha256: str,
                  recorded_in: Path) -> dict[str, np.ndarray]:
     """The tensors of a weight file of a run directory, after checking its metadata (format,
-    step; a shard's rank, world size, mode: ``expected``) and its sha256 (None: unrecorded)."""
+    step; a shard's rank, world size, mode: ``expected``), its sha256 and that every value is
+    finite."""
     data = read_bytes(path)
     metadata, tensors = _read_safetensors(data, str(path))
     if any(metadata.get(key) != value for key, value in expected.items()):
@@ -523,7 +575,30 @@ def read_tensors(path: Path, expected: dict[str, str], sha256: str | None,
         raise ValueError(f"{path}: not the gptlab checkpoint of {what} (its metadata is "
                          f"{metadata})")
     check_sha256(path, data, sha256, recorded_in)
+    check_finite(tensors, path)
     return tensors
+
+
+def check_finite(tensors: dict[str, np.ndarray], path) -> None:
+    """ValueError naming ``path`` and the first tensor that holds NaN or infinity."""
+    for name, x in tensors.items():
+        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+            raise ValueError(f"{path}: the tensor {name} holds {np.isnan(x).sum()} NaN and "
+                             f"{np.isinf(x).sum()} infinite values: the weights were damaged "
+                             "(or saved from a diverged run)")
+
+
+def is_plain_file_name(name) -> bool:
+    """Whether ``name`` names a file inside a run directory: no folder, no "..", not absolute."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\\" not in name and "\0" not in name)
+
+
+def require_plain_file_name(name, recorded_in) -> None:
+    """ValueError naming ``recorded_in`` when ``name`` leaves the run directory."""
+    if not is_plain_file_name(name):
+        raise ValueError(f"{recorded_in}: the file name {name!r} is not a file of the run "
+                         "directory (a checkpoint names its files without folders)")
 
 
 def check_moments(state: dict, moments: dict, params: dict, path) -> None:
@@ -537,15 +612,20 @@ def check_moments(state: dict, moments: dict, params: dict, path) -> None:
                          f"{missing}, unexpected {extra}")
 
 
-def read_run_tokenizer(ckpt_dir, state: dict) -> Tokenizer:
-    """The tokenizer that state.json names, after checking it is the one saved with the weights."""
+def read_run_tokenizer(ckpt_dir, state: dict, model_config: GPTConfig) -> Tokenizer:
+    """The tokenizer that state.json names, after checking it is the one saved with the weights
+    and that it has one id per row of the model's embedding."""
     path = Path(ckpt_dir) / state["tokenizer_file"]
-    expected = recorded_sha256(ckpt_dir, state, state["tokenizer_file"])
-    if expected is not None and sha256_of(read_bytes(path)) != expected:
+    if sha256_of(read_bytes(path)) != recorded_sha256(ckpt_dir, state, state["tokenizer_file"]):
         raise ValueError(f"{path}: not the tokenizer this checkpoint was trained with (its sha256 "
                          f"differs from the one {Path(ckpt_dir) / STATE_FILE} records); put back "
                          "the run's own tokenizer file")
-    return load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
+    if tokenizer.vocab_size != model_config.vocab_size:
+        raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} ids, the model "
+                         f"{model_config.vocab_size} (vocab_size): not the tokenizer of this "
+                         "model")
+    return tokenizer
 
 
 def load_run_checkpoint(ckpt_dir, backend: str = "numpy", dtype=None,
@@ -572,7 +652,7 @@ def load_run_checkpoint(ckpt_dir, backend: str = "numpy", dtype=None,
     params = {name: convert(x, backend, dtype=dtype, device=device) for name, x in params.items()}
     optimizer_state = {"kind": state["optimizer_kind"], "step": state["optimizer_step"],
                        "state": moments}
-    tokenizer = read_run_tokenizer(ckpt_dir, state)
+    tokenizer = read_run_tokenizer(ckpt_dir, state, model_config)
     return RunCheckpoint(step, params, optimizer_state, tokenizer, model_config, state)
 
 
@@ -609,6 +689,19 @@ def _lock(path: Path) -> int:
     return fd
 
 
+def _what_it_holds(out_dir: Path, held: list[str]) -> str:
+    """Why a fresh run refuses ``out_dir``, which holds the files ``held``: a run, or files of
+    no run."""
+    shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+    if STATE_FILE not in held:
+        return (f"{out_dir} is not empty: it holds files of no run ({shown}; no "
+                f"{STATE_FILE}): choose an empty or new --out-dir, or start a run among them with "
+                "--overwrite (it removes only files of its own checkpoints)")
+    return (f"{out_dir} already holds a run ({shown}): continue it with --resume, replace it "
+            "with --overwrite (its checkpoint stays until the new one is complete), or choose "
+            "another --out-dir")
+
+
 @contextmanager
 def claim_run_dir(out_dir, *, resume: bool = False, overwrite: bool = False):
     """Hold the run directory ``out_dir`` (created if need be) for the ``with`` block: its lock
@@ -626,11 +719,7 @@ def claim_run_dir(out_dir, *, resume: bool = False, overwrite: bool = False):
     try:
         held = sorted(path.name for path in out_dir.iterdir() if path.name != LOCK_FILE)
         if held and not (resume or overwrite):
-            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
-            raise RunDirectoryError(
-                f"{out_dir} already holds a run ({shown}): continue it with --resume, replace "
-                "it with --overwrite (its checkpoint stays until the new one is complete), or "
-                "choose another --out-dir")
+            raise RunDirectoryError(_what_it_holds(out_dir, held))
         yield out_dir
     finally:
         (out_dir / LOCK_FILE).unlink(missing_ok=True)  # while still holding it: see _lock
@@ -638,6 +727,7 @@ def claim_run_dir(out_dir, *, resume: bool = False, overwrite: bool = False):
 
 
 __all__ = ["FORMAT_VERSION", "FILE_FORMAT_VERSION", "STATE_FILE", "LOCK_FILE", "atomic_write",
+           "naming",
            "save_checkpoint", "load_checkpoint", "Checkpoint", "save_run_checkpoint",
            "load_run_checkpoint", "read_state", "RunCheckpoint", "RunDirectoryError",
            "claim_run_dir", "require_fields"]

@@ -8,13 +8,15 @@ import csv
 import json
 from pathlib import Path
 
+from .checkpoint import naming
 
 LOG_FIELDS = ("step", "lr", "train_loss", "val_loss")
 
 
 def write_log(path: Path, fmt: str, rows: list[dict], append: bool) -> None:
-    """Append ``rows`` to the loss log, or (append=False) rewrite it with exactly ``rows``."""
-    with open(path, "a" if append else "w", newline="", encoding="utf-8") as f:
+    """Append ``rows`` to the loss log, or (append=False) rewrite it with exactly ``rows``;
+    OSError naming ``path`` when it cannot be written (a full disk)."""
+    with naming(path), open(path, "a" if append else "w", newline="", encoding="utf-8") as f:
         if fmt == "csv":
             writer = csv.DictWriter(f, fieldnames=LOG_FIELDS)
             if not append:

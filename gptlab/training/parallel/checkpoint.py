@@ -53,6 +53,7 @@ from ..checkpoint import (
     read_tensors,
     recorded_sha256,
     require_fields,
+    require_plain_file_name,
     safetensors_bytes,
     state_model_config,
     write_files,
@@ -144,17 +145,18 @@ def _read_index(ckpt_dir: Path, state: dict) -> tuple[dict, dict]:
         raise ValueError(f"{path}: not a checkpoint index, not JSON ({err})") from err
     if not isinstance(index, dict):
         raise ValueError(f"{path}: not a checkpoint index (a JSON {type(index).__name__})")
-    recorded = ({"world_size": int, "mode": str, "shards": list}
-                if state["format_version"] >= 2 else {})
-    require_fields(index, {"step": int, "tensors": dict, **recorded}, path)
+    require_fields(index, {"step": int, "tensors": dict, "world_size": int, "mode": str,
+                           "shards": list}, path)
     if index["step"] != state["step"]:
         raise ValueError(f"{path}: the index of step {index['step']}, state.json is at step "
                          f"{state['step']}")
     try:
-        shards = {shard["file"]: shard for shard in index.get("shards", [])}
+        shards = {shard["file"]: shard for shard in index["shards"]}
+        for file in shards:
+            require_plain_file_name(file, path)
         for key, entry in index["tensors"].items():
             for file, start, stop in entry["pieces"]:
-                if recorded and file not in shards:
+                if file not in shards:
                     raise ValueError(f"the file {file} of {key} is none of its shards")
             if not isinstance(entry["shape"], list):
                 raise ValueError(f"the shape of {key} is {entry['shape']!r}, not a list")
@@ -164,11 +166,8 @@ def _read_index(ckpt_dir: Path, state: dict) -> tuple[dict, dict]:
     return index, shards
 
 
-def _read_shard(ckpt_dir: Path, index: dict, shard: dict | None, file: str, index_path: Path):
+def _read_shard(ckpt_dir: Path, index: dict, shard: dict, file: str, index_path: Path):
     """The tensors of one shard file, its metadata and sha256 checked against the index."""
-    if shard is None:  # format version 1: shards recorded format and step only
-        return read_tensors(ckpt_dir / file, {"format": FORMAT, "step": str(index["step"])},
-                            None, index_path)
     expected = {"format": FORMAT, "step": str(index["step"]), "rank": str(shard["rank"]),
                 "world_size": str(index["world_size"]), "mode": index["mode"]}
     return read_tensors(ckpt_dir / file, expected, shard["sha256"], index_path)
@@ -185,7 +184,7 @@ def read_sharded(ckpt_dir, state: dict) -> tuple[dict, dict]:
         pieces = []
         for file, start, stop in entry["pieces"]:
             if file not in files:
-                files[file] = _read_shard(ckpt_dir, index, shards.get(file), file, index_path)
+                files[file] = _read_shard(ckpt_dir, index, shards[file], file, index_path)
             piece = files[file].get(key)
             if piece is None or piece.shape[0] != stop - start:
                 raise ValueError(f"{ckpt_dir / file}: rows {start}:{stop} of {key} are missing")
@@ -231,7 +230,7 @@ def load_run(ckpt_dir, backend: str = "torch", dtype=None, device=None) -> RunCh
     params = {name: convert(x, backend, dtype=dtype, device=device) for name, x in params.items()}
     optimizer_state = {"kind": state["optimizer_kind"], "step": state["optimizer_step"],
                        "state": moments}
-    tokenizer = read_run_tokenizer(ckpt_dir, state)
+    tokenizer = read_run_tokenizer(ckpt_dir, state, model_config)
     return RunCheckpoint(state["step"], params, optimizer_state, tokenizer, model_config, state)
 
 
