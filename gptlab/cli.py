@@ -118,6 +118,9 @@ def _add_train_command(commands, options: bool = True) -> None:
     parser.set_defaults(warmup_iters=NotGiven(warmup))  # see config_from_args
 
 
+SEED_LIMIT = 2**64  # torch's generators take seeds below this (NumPy's any seed >= 0)
+
+
 def _add_sample_command(commands) -> None:
     parser = commands.add_parser("sample", help="generate text from a checkpoint",
                                  description="Continue a prompt with a trained model.")
@@ -135,7 +138,7 @@ def _add_sample_command(commands) -> None:
            type=_optional(int))
     option("--top-p", None, "sample from the fewest most likely tokens whose probabilities add "
            "up to p (nucleus sampling); none: from all", type=_optional(float))
-    option("--seed", 0, "seed of the sampling", type=int)
+    option("--seed", 0, f"seed of the sampling, 0 to {SEED_LIMIT - 1}", type=int)
     option("--backend", "torch", "where the arithmetic runs", choices=("numpy", "torch"))
     option("--device", None, "torch device: cpu, cuda, cuda:1, mps...; none: cpu")
     parser.add_argument("--cuda-graph", action="store_true",
@@ -262,19 +265,33 @@ class NotGiven(int):
 
 
 def config_from_args(args: argparse.Namespace):
-    """The TrainConfig that parsed ``train`` arguments describe. Without --warmup-iters, the
-    default warmup (20) is shortened to fit a cosine that ends sooner."""
+    """The TrainConfig that parsed ``train`` arguments describe. Without --warmup-iters, a
+    resumed run keeps its own warmup, and a new one the default warmup (20), shortened to fit a
+    cosine that ends sooner."""
     from .training.config import TrainConfig
 
     values = {field.name: getattr(args, field.name) for field in fields(TrainConfig)}
     warmup = values["warmup_iters"]
-    if isinstance(warmup, NotGiven) and values["lr_schedule"] == "cosine":
+    if isinstance(warmup, NotGiven) and values["resume"]:
+        warmup = _saved_warmup(values["out_dir"], warmup)
+    elif isinstance(warmup, NotGiven) and values["lr_schedule"] == "cosine":
         warmup = max(min(warmup, (values["lr_decay_iters"] or values["max_iters"]) - 1), 0)
     return TrainConfig(**{**values, "warmup_iters": int(warmup)})
 
 
+def _saved_warmup(out_dir: str, default: int) -> int:
+    """The warmup_iters of the run checkpointed in ``out_dir``; ``default`` when none can be read
+    (resuming it then says why)."""
+    from .training.checkpoint import read_state
+
+    try:
+        return int(read_state(out_dir)["train_config"]["warmup_iters"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
+
 def run_train(args: argparse.Namespace) -> int:
-    from .training.parallel.launch import LaunchFailed
+    from .training.parallel.launch import LaunchFailed, RunInterrupted
     from .training.train import TrainingDiverged, train
 
     try:
@@ -282,6 +299,9 @@ def run_train(args: argparse.Namespace) -> int:
     except (TrainingDiverged, LaunchFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except RunInterrupted as err:  # Ctrl-C, SIGTERM: the step finished and saved
+        print(err, file=sys.stderr)
+        return err.exit_code
     if result is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     last = result.history[-1]
@@ -321,6 +341,11 @@ def run_sample(args: argparse.Namespace) -> int:
     from .training.sample import check_sampling, generate
 
     check_sampling(args.temperature, args.top_k, args.top_p)
+    if not 0 <= args.seed < SEED_LIMIT:
+        raise ValueError(f"--seed must be in [0, {SEED_LIMIT - 1}], got {args.seed}")
+    if not args.prompt:
+        raise ValueError("--prompt is empty: the model needs at least one character to continue "
+                         "(the default is a newline)")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.backend == "numpy" and args.device not in (None, "cpu"):
@@ -358,6 +383,8 @@ def run_data(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: expected a file in an existing folder")
     if os.path.exists(args.out) and any(os.path.samefile(path, args.out) for path in args.files):
         raise ValueError(f"--out {args.out} is one of the input files: it would be overwritten")
+    if os.path.exists(args.out):
+        raise ValueError(f"--out {args.out} exists: choose a new file name, or remove it first")
     if not args.separator:
         raise ValueError("--separator must not be empty")
     dedup = None
@@ -369,6 +396,12 @@ def run_data(args: argparse.Namespace) -> int:
                           dedup=dedup, seed=args.seed)
     for line in report.unreadable:
         print(f"not read: {line}", file=sys.stderr)
+    if report.kept == 0:
+        os.remove(args.out)  # written by this run, empty
+        raise ValueError(f"nothing kept: {report.documents_read} documents read from "
+                         f"{report.files_read} files, {report.skipped} skipped as bad input, "
+                         f"{report.exact_duplicates + report.near_duplicates} duplicates; "
+                         f"{args.out} not written")
     print(f"{report.documents_read} documents read from {report.files_read} files "
           f"({report.skipped} skipped as bad input); {report.exact_duplicates} exact and "
           f"{report.near_duplicates} near-duplicates dropped; {report.kept} kept in {args.out}")
@@ -424,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, CourseError) as err:  # bad paths, data, configs, checkpoints,
         print(f"error: {err}", file=sys.stderr)       # submissions: no traceback
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before any work could be saved
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 __all__ = ["build_parser", "config_from_args", "main", "TRAIN_GROUPS"]

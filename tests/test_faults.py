@@ -343,4 +343,4 @@ def test_resume_with_changed_settings_says_what_changed(tiny, one, capsys):
         assert change in err, err
     code, err = gptlab(capsys, "train", *tiny, f"--out-dir={one}", "--resume", "--max-iters=6",
                        "--seed=7", "--batch-size=2", "--lr=0.01")
-    assert code == 0 and "changed" not in err, err  # the run now is what it says
+    assert code == 0 and "changed settings" not in err, err  # the run now is what it says

@@ -178,9 +178,10 @@ def test_data_filters_and_deduplicates_files(tmp_path, capsys):
     assert out.read_text(encoding="utf-8").split("\n\n\n") == DOCS[:2]
     report = capsys.readouterr().out
     assert "4 documents read from 2 files" in report and "1 exact and 1 near-duplicates" in report
-    assert main(["data", str(first), str(second), "--out", str(out), "--quiet",
+    exact_only = tmp_path / "exact.txt"
+    assert main(["data", str(first), str(second), "--out", str(exact_only), "--quiet",
                  "--no-dedup"]) == 0  # exact deduplication only: the near-duplicate stays
-    assert out.read_text(encoding="utf-8").split("\n\n\n") == [DOCS[0], DOCS[1], DOCS[3]]
+    assert exact_only.read_text(encoding="utf-8").split("\n\n\n") == [DOCS[0], DOCS[1], DOCS[3]]
 
 
 @pytest.mark.parametrize("options, message", [

@@ -214,7 +214,10 @@ class ByteBPETokenizer(Tokenizer):
         self.special_tokens = dict(special_tokens)
         self.pattern = pattern
         self._check_vocab()
-        self._pretokenizer = regex.compile(pattern)
+        try:
+            self._pretokenizer = regex.compile(pattern)
+        except (regex.error, TypeError) as err:
+            raise ValueError(f"pattern {pattern!r} is not a regular expression ({err})") from None
         self._byte_ids = [self.vocab[BYTE_TO_CHAR[b]] for b in range(256)]
         self._id_to_bytes = [b""] * self.vocab_size
         for token, i in self.vocab.items():
@@ -295,7 +298,21 @@ class ByteBPETokenizer(Tokenizer):
         """text -> token ids, pre-token by pre-token, with no special tokens (see ``encode``)."""
         require_utf8(text)
         pieces = self._pretokenizer.findall(text)
+        if sum(map(len, pieces)) != len(text):
+            self._explain_uncovered(text)
         return [i for piece in pieces for i in self._encode_pretoken(piece)]
+
+    def _explain_uncovered(self, text: str) -> None:
+        """The ValueError for a text that the pattern's pre-tokens do not cover: naming the
+        first character it would drop."""
+        end = 0
+        for match in self._pretokenizer.finditer(text):
+            if match.start() > end:
+                break
+            end = match.end()
+        raise ValueError(f"cannot encode {text[end]!r} at position {end}: the pre-tokenization "
+                         f"pattern {self.pattern!r} does not match it, so it would be lost "
+                         "(a pattern must cover every character, as GPT2_PATTERN does)")
 
     def encode_final(self, text: str) -> tuple[int, list[int]]:
         """(n, ids): the pre-tokens that no continuation of ``text`` can change, n characters.
@@ -369,12 +386,20 @@ class ByteBPETokenizer(Tokenizer):
 
     @classmethod
     def from_dict(cls, data: dict) -> ByteBPETokenizer:
-        keys = ("vocab", "merges", "special_tokens", "pattern")
+        kinds = {"vocab": dict, "merges": list, "special_tokens": dict, "pattern": str}
+        kind_names = {dict: "a JSON object", list: "a JSON list", str: "a string"}
         if not (isinstance(data, dict) and data.get("type") == cls.type
-                and all(key in data for key in keys)):
+                and all(key in data for key in kinds)):
             kind = data.get("type") if isinstance(data, dict) else None
             raise ValueError(f"not a byte-level BPE tokenizer: expected type {cls.type!r} and "
-                             f"the fields {list(keys)}, got type {kind!r}")
+                             f"the fields {list(kinds)}, got type {kind!r}")
+        for key, kind in kinds.items():
+            if not isinstance(data[key], kind):
+                raise ValueError(f'"{key}" must be {kind_names[kind]}, got {data[key]!r:.60}')
+        for merge in data["merges"]:
+            if not (isinstance(merge, list) and len(merge) == 2
+                    and all(isinstance(token, str) for token in merge)):
+                raise ValueError(f"every merge must be a pair of token strings, got {merge!r:.60}")
         return cls(data["vocab"], data["merges"], data["special_tokens"], data["pattern"])
 
     @classmethod

@@ -74,7 +74,8 @@ class CharTokenizer(Tokenizer):
 
     @classmethod
     def from_dict(cls, data: dict) -> CharTokenizer:
-        if not (isinstance(data, dict) and data.get("type") == cls.type and "chars" in data):
+        if not (isinstance(data, dict) and data.get("type") == cls.type
+                and isinstance(data.get("chars"), list)):
             kind = data.get("type") if isinstance(data, dict) else None
             raise ValueError(f"not a char tokenizer: expected type {cls.type!r} and a 'chars' "
                              f"list, got type {kind!r}")

@@ -98,6 +98,16 @@ def get_batch(data_ids: np.ndarray, batch_size: int, block_size: int,
     return convert(x, backend, device=device), convert(y, backend, device=device)
 
 
+def encode_corpus(tokenizer: Tokenizer, text: str, source: str) -> np.ndarray:
+    """The ids (N,) of the whole corpus ``text`` (``source`` names it); ValueError naming it
+    when the tokenizer cannot encode all of it (a character outside a char vocabulary, a BPE
+    pattern that skips some text)."""
+    try:
+        return np.asarray(tokenizer.encode(text), dtype=np.int64)  # (N,)
+    except ValueError as err:
+        raise ValueError(f"the tokenizer cannot encode {source}: {err}") from None
+
+
 def make_tokenizer(cfg, text: str) -> Tokenizer:
     """The run's tokenizer (``cfg`` its TrainConfig): loaded from ``cfg.tokenizer_path``, or
     trained on the corpus."""
@@ -110,4 +120,4 @@ def make_tokenizer(cfg, text: str) -> Tokenizer:
 
 
 __all__ = ["EMBEDDED", "embedded_corpus", "load_text", "split_train_val", "get_batch",
-           "make_tokenizer"]
+           "encode_corpus", "make_tokenizer"]

@@ -1,10 +1,13 @@
-"""How a run starts: the checks before any process starts, the claim on its directory, the
-launch of its ranks, its CPU threads. Book: chapters 11 and 15.
+"""How a run starts and stops: the checks before any process starts, the claim on its
+directory, the launch of its ranks, its CPU threads, and the signals (Ctrl-C, SIGTERM) that stop
+it after a step. Book: chapters 11 and 15.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -64,6 +67,44 @@ def torch_threads(threads: int | None):
         torch.set_num_threads(threads_before)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """Inside the ``with`` block, SIGINT (Ctrl-C) and SIGTERM do not end the process: they are
+    noted, and the training loop asks ``requested()`` after each step, saves and stops. Outside
+    the main thread (where Python delivers no signals) it notes nothing."""
+
+    def __init__(self):
+        self.signal_number = None  # the last signal received
+        self.handlers = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self.handlers = {number: signal.signal(number, self._note) for number in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for number, handler in self.handlers.items():
+            signal.signal(number, handler)
+
+    def _note(self, number: int, frame) -> None:
+        self.signal_number = number
+
+    def requested(self, across_ranks: bool = False, device=None) -> bool:
+        """Whether a signal asked the run to stop; ``across_ranks``: whether one came to any
+        rank of the process group (a collective, so that all ranks save the same step)."""
+        if not across_ranks:
+            return self.signal_number is not None
+        import torch
+        import torch.distributed as dist
+
+        received = torch.tensor([self.signal_number or 0], device=device or "cpu")
+        dist.all_reduce(received, op=dist.ReduceOp.MAX)
+        self.signal_number = int(received.item()) or None
+        return self.signal_number is not None
+
+
 def check_start(cfg: TrainConfig, world_size: int) -> None:
     """What ``cfg`` asks of this machine and of ``world_size`` ranks, checked before any process
     starts (ValueError naming the option): the device, and a parallel mode that can split this
@@ -83,4 +124,4 @@ def check_start(cfg: TrainConfig, world_size: int) -> None:
                          f"{err}") from None
 
 
-__all__ = ["CLAIMED_ENV", "check_start", "claim_out_dir", "torch_threads"]
+__all__ = ["CLAIMED_ENV", "StopSignals", "check_start", "claim_out_dir", "torch_threads"]

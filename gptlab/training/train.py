@@ -52,6 +52,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -64,16 +65,16 @@ from ..model import init_params
 from ..tokenizers.char import Tokenizer
 from .checkpoint import STATE_FILE, read_state, save_run_checkpoint
 from .config import TrainConfig
-from .data import EMBEDDED, get_batch, load_text, make_tokenizer, split_train_val
+from .data import EMBEDDED, encode_corpus, get_batch, load_text, make_tokenizer, split_train_val
 from .log import write_log
 from .metrics import batch_losses
 from .optim import decay_filter_of, make_optimizer
 from .parallel.base import clipped_grads, rank_and_world
 from .parallel.checkpoint import load_run, save_sharded, shard_optimizer_state
-from .parallel.launch import init_process_group, launch, under_launcher
-from .resume import check_resume
+from .parallel.launch import RunInterrupted, init_process_group, launch, under_launcher
+from .resume import resumed_config
 from .schedule import make_schedule
-from .start import check_start, claim_out_dir, torch_threads
+from .start import StopSignals, check_start, claim_out_dir, torch_threads
 from .steps import dropout_seed, flat_train_loss, loss_functions, make_mode
 
 
@@ -109,26 +110,58 @@ def train(cfg: TrainConfig, progress: bool = True, *,
     progress; every rank writes its shard of the checkpoints (``training/parallel/checkpoint.py``).
 
     Raises TrainingDiverged when the loss or gradient norm is not finite, before the update is
-    applied, so the last checkpoint on disk stays the last good one.
+    applied, so the last checkpoint on disk stays the last good one. SIGINT (Ctrl-C) and
+    SIGTERM stop the run after the step in progress, with a checkpoint of that step: it raises
+    RunInterrupted (a KeyboardInterrupt) saying where the checkpoint is.
     """
     check_start(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else cfg.nproc)
     with claim_out_dir(cfg, overwrite):
         if cfg.parallel != "none" and not under_launcher():
-            if cfg.resume:  # a damaged checkpoint is an error here, not in every rank
-                load_run(cfg.out_dir)
-            return launch(_train_rank, cfg.nproc, asdict(cfg), progress,
-                          threads=cfg.threads or 1, device=cfg.device)[0]
-        with torch_threads(cfg.threads):
-            return _train(cfg, progress)
+            _check_before_launch(cfg)
+            try:
+                return launch(_train_rank, cfg.nproc, asdict(cfg), progress,
+                              threads=cfg.threads or 1, device=cfg.device)[0]
+            except RunInterrupted as err:
+                raise _interrupted(err.signal_number, Path(cfg.out_dir)) from None
+        with torch_threads(cfg.threads), StopSignals() as stop:
+            return _train(cfg, progress, stop)
+
+
+def _check_before_launch(cfg: TrainConfig) -> None:
+    """What every rank would refuse, refused once before any rank starts: the corpus, and a
+    checkpoint to resume that is damaged or of another model or other data (reported here,
+    with any changed settings, so that the ranks need not)."""
+    text = load_text(cfg.data)
+    if cfg.resume:
+        source = EMBEDDED if cfg.data is None else str(cfg.data)
+        resumed_config(cfg, load_run(cfg.out_dir), Path(cfg.out_dir), _sha256(text), source,
+                       report=True)
 
 
 def _train_rank(settings: dict, progress: bool):
-    """One rank of ``train``'s launch (a module-level function: the launcher pickles it)."""
-    return train(TrainConfig(**settings), progress)
+    """One rank of ``train``'s launch (a module-level function: the launcher pickles it); the
+    launching process checked and reported what the ranks share."""
+    cfg = TrainConfig(**settings)
+    with torch_threads(cfg.threads), StopSignals() as stop:
+        return _train(cfg, progress, stop, report=False)
 
 
-def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
-    """The run of ``train``, on the threads torch has now."""
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _interrupted(signal_number: int, out_dir: Path) -> RunInterrupted:
+    """The RunInterrupted of a run that a signal stopped, naming its last checkpoint."""
+    kept = (f"the checkpoint of step {read_state(out_dir)['step']} is in {out_dir}; continue "
+            "with --resume" if (out_dir / STATE_FILE).is_file() else "no checkpoint was written")
+    return RunInterrupted(signal_number, f"stopped by {signal.Signals(signal_number).name}: "
+                                         f"{kept}")
+
+
+def _train(cfg: TrainConfig, progress: bool, stop: StopSignals,
+           report: bool = True) -> TrainResult | None:
+    """The run of ``train``, on the threads torch has now, until it ends or ``stop`` notes a
+    signal; ``report``: print what a resumed run changes (rank 0)."""
     if cfg.parallel != "none":
         init_process_group(device=cfg.device)
     rank, world_size = rank_and_world()
@@ -137,14 +170,14 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
     log_path = out_dir / f"log.{cfg.log_format}"
     text = load_text(cfg.data)
     source = EMBEDDED if cfg.data is None else str(cfg.data)
-    data_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    data_sha256 = _sha256(text)
     device = cfg.device if cfg.array_backend == "torch" else None
     rng = np.random.default_rng(cfg.seed)  # batch offsets; its state is checkpointed
 
     if cfg.resume:
         ckpt = load_run(out_dir, backend=cfg.array_backend, dtype=cfg.dtype, device=device)
         tokenizer, params, step = ckpt.tokenizer, ckpt.params, ckpt.step
-        check_resume(cfg, ckpt, out_dir, data_sha256, source, report=lead)
+        cfg = resumed_config(cfg, ckpt, out_dir, data_sha256, source, report=lead and report)
         model_cfg = cfg.model_config(tokenizer.vocab_size)
         rng.bit_generator.state = ckpt.state["batch_rng_state"]
         history = ckpt.state["history"]
@@ -173,7 +206,7 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
         optimizer.load_state_dict(shard_optimizer_state(mode, ckpt.optimizer_state))
         del ckpt  # the loaded arrays: the run holds what it needs of them now
 
-    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)  # (N,)
+    ids = encode_corpus(tokenizer, text, source)  # (N,)
     train_ids, val_ids = split_train_val(ids, cfg.block_size, cfg.val_fraction, source)
     lr_at = make_schedule(cfg.lr_schedule, lr=cfg.lr, min_lr=cfg.min_lr,
                           warmup_iters=cfg.warmup_iters,
@@ -234,8 +267,12 @@ def _train(cfg: TrainConfig, progress: bool) -> TrainResult | None:
             if progress and lead:
                 bar.write(f"step {step}: train {row['train_loss']:.4f}, val {row['val_loss']:.4f}")
         interval = cfg.checkpoint_interval
-        if (interval > 0 and step % interval == 0) or step == cfg.max_iters:  # save
+        stopping = stop.requested(cfg.parallel != "none", device)  # Ctrl-C, SIGTERM
+        if (interval > 0 and step % interval == 0) or step == cfg.max_iters or stopping:  # save
             checkpoint_path = save(step)
+        if stopping:
+            bar.close()
+            raise _interrupted(stop.signal_number, out_dir)
     bar.close()
     params = mode.full_params()  # a collective in ZeRO 3: every rank takes part
     if not lead:

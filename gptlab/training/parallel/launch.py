@@ -33,6 +33,7 @@ multi-process run this way).
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import socket
@@ -41,10 +42,12 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
     get_error_handler,
@@ -60,6 +63,12 @@ _heartbeat = None  # this process's Heartbeat, once it is a rank of a launched r
 # The elastic agent installs its own handlers for these in the calling process; launch() puts
 # the caller's back (a Jupyter kernel would otherwise die with SignalException when shut down).
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+# The agent passes such a signal on to the ranks, and kills those still running after this long:
+# time for a rank that catches it (training does) to finish its step and save.
+SHUTDOWN_TIMEOUT_S = 120
+# The loggers whose lines (a failed rank's traceback, "Terminating process") would come before
+# the one line that LaunchFailed says: quiet while launch runs.
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 
 # A process that waits (at most KILL_AFTER_S) until the process ``argv[1]`` is gone (reaped by
@@ -84,6 +93,20 @@ except ProcessLookupError:
 
 class LaunchFailed(RuntimeError):
     """A rank of a parallel run failed (or was killed); the run was stopped."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A signal (SIGINT, SIGTERM, ...) stopped the run; ``exit_code`` is the shell's 128 + its
+    number."""
+
+    def __init__(self, signal_number: int, message: str):
+        super().__init__(message)
+        self.signal_number, self.exit_code = signal_number, 128 + signal_number
+
+
+class RankInterrupted(RuntimeError):
+    """A rank's RunInterrupted as the error the agent records ("<signal number> <message>"): a
+    KeyboardInterrupt would end the rank without a word, and launch would lack its result."""
 
 
 class RankStopped(RuntimeError):
@@ -208,6 +231,8 @@ def _worker(fn, args, threads: int | None, timeout_s: float, device: str | None,
     init_process_group(timeout_s, device, heartbeat_s)
     try:
         return fn(*args)
+    except RunInterrupted as err:
+        raise RankInterrupted(f"{err.signal_number} {err}") from None
     finally:
         if _heartbeat is not None:
             _heartbeat.close()
@@ -223,7 +248,8 @@ def launch(fn, nproc: int, *args, threads: int | None = 1, timeout_s: float = CO
     ``threads`` torch threads (1 lets 4 ranks share 2 cores). Raises LaunchFailed (with the
     failing rank's error) when a rank fails or dies, (naming it) when a rank's heartbeat
     stands still for ``heartbeat_s`` seconds, or when the run takes longer than ``deadline_s``
-    seconds of wall-clock time (None: no bound), its processes ended."""
+    seconds of wall-clock time (None: no bound), its processes ended. A signal to this process
+    (SIGINT, SIGTERM, ...) goes on to the ranks; once they are gone it raises RunInterrupted."""
     if not (isinstance(nproc, int) and nproc >= 1):
         raise ValueError(f"nproc must be an integer >= 1, got {nproc!r}")
     if deadline_s is not None and not deadline_s > 0:
@@ -232,13 +258,22 @@ def launch(fn, nproc: int, *args, threads: int | None = 1, timeout_s: float = CO
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=uuid.uuid4().hex, rdzv_backend="c10d",
                           rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1", max_restarts=0,
-                          monitor_interval=monitor_interval, start_method="spawn")
+                          monitor_interval=monitor_interval, start_method="spawn",
+                          shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     handlers = {number: signal.getsignal(number) for number in AGENT_SIGNALS}
     try:
-        results = elastic_launch(config, _worker)(fn, args, threads, timeout_s, device,
-                                                  heartbeat_s, deadline)
+        with _agent_quiet():
+            results = elastic_launch(config, _worker)(fn, args, threads, timeout_s, device,
+                                                      heartbeat_s, deadline)
+    except SignalException as err:
+        raise RunInterrupted(int(err.sigval), f"the run was stopped by {err.sigval.name}") from None
     except ChildFailedError as err:
         messages = list(map(_message, err.failures.values()))
+        prefix = RankInterrupted.__name__ + ": "
+        interrupted = [m.removeprefix(prefix).split(" ", 1) for m in messages
+                       if m.startswith(prefix)]
+        if interrupted:  # a signal came to the ranks only: they saved and stopped
+            raise RunInterrupted(int(interrupted[0][0]), interrupted[0][1]) from None
         for kind in (RankStopped, OutOfTime):  # the rank that noticed is not the one at fault
             prefix = kind.__name__ + ": "
             stopped = [m.removeprefix(prefix) for m in messages if m.startswith(prefix)]
@@ -251,6 +286,21 @@ def launch(fn, nproc: int, *args, threads: int | None = 1, timeout_s: float = CO
         for number, handler in handlers.items():
             signal.signal(number, handler)
     return [results[rank] for rank in range(nproc)]
+
+
+@contextmanager
+def _agent_quiet():
+    """The elastic agent's loggers (AGENT_LOGGERS, each with its own level) silent inside."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith(AGENT_LOGGERS)]
+    levels = {logger: logger.level for logger in loggers}
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in levels.items():
+            logger.setLevel(level)
 
 
 def _describe(failure) -> str:
@@ -266,5 +316,5 @@ def _message(failure) -> str:
     return str(message.get("message", message) if isinstance(message, dict) else message)
 
 
-__all__ = ["launch", "init_process_group", "under_launcher", "LaunchFailed", "RankStopped",
-           "OutOfTime", "Heartbeat", "COLLECTIVE_TIMEOUT_S", "HEARTBEAT_TIMEOUT_S"]
+__all__ = ["launch", "init_process_group", "under_launcher", "LaunchFailed", "RunInterrupted",
+           "RankStopped", "OutOfTime", "Heartbeat", "COLLECTIVE_TIMEOUT_S", "HEARTBEAT_TIMEOUT_S"]
