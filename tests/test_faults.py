@@ -26,6 +26,7 @@ import gptlab.training.checkpoint as ckpt_module
 from gptlab.training.checkpoint import STATE_FILE
 from gptlab.cli import main
 from gptlab.training.data import embedded_corpus
+from gptlab.training.log import read_log
 from gptlab.training.parallel.checkpoint import load_run
 from gptlab.tokenizers.char import CharTokenizer, load_tokenizer
 
@@ -344,3 +345,131 @@ def test_resume_with_changed_settings_says_what_changed(tiny, one, capsys):
     code, err = gptlab(capsys, "train", *tiny, f"--out-dir={one}", "--resume", "--max-iters=6",
                        "--seed=7", "--batch-size=2", "--lr=0.01")
     assert code == 0 and "changed settings" not in err, err  # the run now is what it says
+
+
+# ------------------------------------------------------------------------------------------------
+# The user's files, a folder of no run, a schedule extended, checksums off, escaping names,
+# non-finite weights, a tokenizer of the wrong size (issue 33)
+
+USER_FILES = {"model-best.safetensors": b"best", "tokenizer-2.json": b"{}",
+              "model-00001-of-00002.safetensors": b"hf 1", "model-00002-of-00002.safetensors":
+              b"hf 2", "index-notes.json": b"[]"}
+
+
+@pytest.mark.parametrize("how", [["--resume", "--max-iters=6"], ["--overwrite", "--seed=3"]])
+def test_a_run_keeps_the_users_files_whatever_their_names(tiny, one, how, capsys):
+    for name, data in USER_FILES.items():
+        (one / name).write_bytes(data)
+    code, err = gptlab(capsys, "train", *tiny, f"--out-dir={one}", *how, "--checkpoint-interval=1")
+    assert code == 0, err
+    for name, data in USER_FILES.items():
+        assert (one / name).read_bytes() == data, name
+    state = json.loads((one / STATE_FILE).read_text())
+    assert sorted(p.name for p in one.iterdir()) == sorted(
+        [*USER_FILES, "log.csv", STATE_FILE, state["model_file"], state["optimizer_file"],
+         state["tokenizer_file"]])
+
+
+def test_a_folder_that_holds_no_run_is_refused_saying_what_it_holds(tiny, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    code, err = gptlab(capsys, "train", *tiny, f"--out-dir={tmp_path}")
+    assert_clear_error(code, err, str(tmp_path), "holds files of no run (notes.txt; no state.json)",
+                       "--overwrite")
+    assert "already holds a run" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def logged_lr(run_dir) -> dict[int, float]:
+    return {row["step"]: row["lr"] for row in read_log(run_dir / "log.csv")}
+
+
+def test_extending_a_finished_run_continues_its_schedule(tiny, tmp_path, capsys):
+    """8 updates, then --max-iters 16: the cosine ended at step 8 stays ended (min_lr), and the
+    resumed run says which option would move its end."""
+    run = [*tiny, f"--out-dir={tmp_path / 'run'}", "--warmup-iters=2"]
+    assert gptlab(capsys, "train", *run, "--max-iters=8")[0] == 0
+    before = logged_lr(tmp_path / "run")
+    code, err = gptlab(capsys, "train", *run, "--resume", "--max-iters=16")
+    assert code == 0, err
+    assert "cosine schedule goes on as it started, at min_lr 0.0003 from step 8" in err
+    assert "--lr-decay-iters" in err and "changed settings" not in err
+    after = logged_lr(tmp_path / "run")
+    assert {step: after[step] for step in before} == before
+    assert [after[step] for step in (10, 12, 14, 16)] == [3e-4] * 4
+    code, err = gptlab(capsys, "train", *run, "--resume", "--max-iters=20",
+                       "--lr-decay-iters=20")  # a new end, asked for: said
+    assert code == 0 and "changed settings: lr_decay_iters 8 -> 20" in err, err
+
+
+def test_resuming_a_short_run_keeps_its_warmup(tiny, tmp_path, capsys):
+    """Without --warmup-iters, a 10-update run warms up for 9; resumed to 30, it still does."""
+    run = [option for option in tiny if not option.startswith("--warmup-iters")]
+    run += [f"--out-dir={tmp_path / 'run'}", "--max-iters=10"]
+    assert gptlab(capsys, "train", *run)[0] == 0
+    code, err = gptlab(capsys, "train", *run, "--resume", "--max-iters=30")
+    assert code == 0 and "warmup_iters" not in err, err
+    assert json.loads((tmp_path / "run" / STATE_FILE).read_text())[
+        "train_config"]["warmup_iters"] == 9
+
+
+def _nan_at_the_end(run_dir: Path, file: str) -> None:
+    """The last float32 of ``file``'s tensor data made NaN, its sha256 recorded again."""
+    path = run_dir / file
+    data = path.read_bytes()
+    path.write_bytes(data[:-4] + np.float32(np.nan).tobytes())
+    recorded_in = run_dir / (INDEX if file.startswith("shard") else STATE_FILE)
+    if file.startswith("shard"):
+        _edit_json(recorded_in, lambda index: {**index, "shards": [
+            {**shard, "sha256": ckpt_module.sha256_of(path.read_bytes())}
+            if shard["file"] == file else shard for shard in index["shards"]]})
+        file = INDEX
+    _rehash(run_dir, file)
+
+
+SAMPLE = ["--max-new-tokens=3", "--prompt=a"]
+
+
+@pytest.mark.parametrize("run, file", [("one", "model-00000004.safetensors"),
+                                       ("sharded", "shard-00000004-1-of-2.safetensors")])
+def test_weights_that_are_not_finite_are_refused_naming_the_tensor(tiny, run, file, request,
+                                                                  capsys):
+    run_dir = request.getfixturevalue(run)
+    _nan_at_the_end(run_dir, file)
+    for command in (["sample", f"--checkpoint={run_dir}", *SAMPLE],
+                    ["sample", f"--checkpoint={run_dir}", *SAMPLE, "--backend=numpy"],
+                    ["train", *tiny, f"--out-dir={run_dir}", "--resume", "--max-iters=5"]):
+        assert_clear_error(*gptlab(capsys, *command), file, "the tensor ", "holds 1 NaN")
+
+
+def test_a_state_file_that_says_version_1_turns_no_checksum_off(tiny, one, capsys):
+    path = one / "model-00000004.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-4000] + bytes(4000))
+    _edit_json(one / STATE_FILE, lambda state: {**state, "format_version": 1})
+    for command in (["sample", f"--checkpoint={one}", *SAMPLE],
+                    ["train", *tiny, f"--out-dir={one}", "--resume", "--max-iters=5"]):
+        assert_clear_error(*gptlab(capsys, *command), str(one / STATE_FILE), "format version 1")
+
+
+def test_an_index_that_names_a_shard_outside_the_run_is_refused(tiny, sharded, tmp_path, capsys):
+    """The shard moved out and the index (and its sha256) edited to follow it."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shard = "shard-00000004-1-of-2.safetensors"
+    (sharded / shard).rename(outside / shard)
+    moved = f"../elsewhere/{shard}"
+    _edit_json(sharded / INDEX, lambda index: json.loads(json.dumps(index).replace(shard, moved)))
+    _rehash(sharded, INDEX)
+    for command in (["sample", f"--checkpoint={sharded}", *SAMPLE],
+                    ["train", *tiny, f"--out-dir={sharded}", "--resume", "--max-iters=5"]):
+        assert_clear_error(*gptlab(capsys, *command), INDEX, repr(moved), "not a file of")
+
+
+def test_a_tokenizer_with_fewer_ids_than_the_model_is_refused_before_any_text(one, capsys):
+    chars = load_tokenizer(one / "tokenizer.json").chars
+    CharTokenizer(chars[:-3]).save(one / "tokenizer.json")
+    _rehash(one, "tokenizer.json")
+    code, err = gptlab(capsys, "sample", f"--checkpoint={one}", *SAMPLE)
+    assert_clear_error(code, err, "tokenizer.json", f"{len(chars) - 3} ids, the model "
+                                                    f"{len(chars)}")
+    assert capsys.readouterr().out == ""
