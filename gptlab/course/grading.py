@@ -90,6 +90,14 @@ def _autograd_entries() -> dict:
             if inspect.isfunction(fn)}
 
 
+@functools.lru_cache(maxsize=4)
+def _always_forbidden(loaded: tuple) -> dict:
+    """body -> name of torch's entries into autograd and gptlab's backward functions, for the
+    modules ``loaded`` now (the key of the cache: each check calls the guard)."""
+    return {_body(code): name for code, name in
+            {**_gptlab_backward_functions(), **_autograd_entries()}.items()}
+
+
 @functools.lru_cache(maxsize=None)
 def _body(code) -> tuple:
     """What a function does, whatever it is named: its bytecode, constants (nested functions by
@@ -188,8 +196,8 @@ def spec_bodies(spec) -> tuple[set, dict]:
 def watch(allowed: set, forbidden: dict):
     """:func:`guard` on bodies (:func:`_body`): ``forbidden`` body -> name, on top of autograd
     and gptlab's backward functions; ``allowed`` bodies and what they call pass."""
-    forbidden = {**{_body(code): name for code, name in
-                    {**_gptlab_backward_functions(), **_autograd_entries()}.items()}, **forbidden}
+    loaded = tuple(name for name in sys.modules if name.startswith(("gptlab", "torch.autograd")))
+    forbidden = {**_always_forbidden(loaded), **forbidden}
     calls: list[str] = []
     depth = threading.local()  # how many allowed functions are running, per thread
     known: dict = {}  # id(code) -> (code, its name if forbidden, "" if allowed, None if neither)

@@ -105,6 +105,7 @@ def main(argv: list[str]) -> None:
         sources = json.load(f)
     config = Config()
     config.HistoryManager.hist_file = ":memory:"
+    config.InteractiveShell.colors = "nocolor"  # tracebacks as plain text in the feedback
     shell = InteractiveShell.instance(config=config)
     try:
         outputs = run_cells(shell, sources, timeout)

@@ -2,8 +2,8 @@
 
 The grader sends requests (which student function to call, on which inputs, under which guard)
 as pickles: the sandbox trusts the grader. The sandbox answers with :func:`encode`, which the
-grader reads with :func:`decode`: JSON for the structure and an ``.npz`` archive, read with
-``allow_pickle=False``, for the arrays. Nothing the student's code returns is unpickled or
+grader reads with :func:`decode`: JSON for the structure, each array's dtype (numbers, booleans
+and strings only) and shape, then the arrays' raw bytes. Nothing the student's code returns is unpickled or
 executed by the grader: it gets numbers, strings, arrays, and containers of them; any other
 object stays in the sandbox and travels as a :class:`Handle` that only the sandbox can resolve.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import select
@@ -23,6 +24,7 @@ import time
 import numpy as np
 
 MAX_MESSAGE = 512 * 2**20  # bytes: a larger answer is refused, not read
+ARRAY_KINDS = "biufcSU"  # the dtypes that travel: no objects, no structured records
 _LENGTH = struct.Struct("<Q")
 
 __all__ = ["ChannelError", "Handle", "array_leaves", "decode", "dump_request", "encode",
@@ -63,8 +65,9 @@ def array_leaves(obj):
 
 
 def encode(obj, keep=None) -> bytes:
-    """``obj`` as JSON plus an ``.npz`` of its arrays. ``keep(obj) -> int``: the handle number of
-    an object that cannot travel (without it, such an object is an error)."""
+    """``obj`` as a JSON description followed by the raw bytes of its arrays. ``keep(obj) ->
+    int``: the handle number of an object that cannot travel (without it, such an object is an
+    error)."""
     arrays: list[np.ndarray] = []
 
     def walk(x):
@@ -72,12 +75,11 @@ def encode(obj, keep=None) -> bytes:
             return x
         if type(x) is float:
             return {"t": "float", "v": repr(x)}  # inf and nan as well
-        if isinstance(x, np.generic) and not isinstance(x, np.object_):
+        if isinstance(x, (np.ndarray, np.generic)) and np.asarray(x).dtype.kind in ARRAY_KINDS:
             arrays.append(np.asarray(x))
-            return {"t": "scalar", "i": len(arrays) - 1}
-        if isinstance(x, np.ndarray) and x.dtype.kind in "biufcSU":
-            arrays.append(x)
-            return {"t": "array", "i": len(arrays) - 1}
+            return {"t": "scalar" if isinstance(x, np.generic) else "array",
+                    "i": len(arrays) - 1, "dtype": arrays[-1].dtype.str,
+                    "shape": list(arrays[-1].shape)}
         if type(x) in (tuple, list):
             return {"t": type(x).__name__, "v": [walk(item) for item in x]}
         if type(x) is dict:
@@ -87,19 +89,15 @@ def encode(obj, keep=None) -> bytes:
         return {"t": "handle", "i": keep(x)}
 
     meta = json.dumps(walk(obj)).encode()
-    buffer = io.BytesIO()
-    np.savez(buffer, meta=np.frombuffer(meta, dtype=np.uint8),
-             **{f"a{i}": a for i, a in enumerate(arrays)})
-    return buffer.getvalue()
+    return b"".join([_LENGTH.pack(len(meta)), meta, *(a.tobytes() for a in arrays)])
 
 
 def decode(data: bytes):
     """What :func:`encode` wrote, read without pickle; ChannelError if it is malformed."""
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-        meta = json.loads(arrays.pop("meta").tobytes().decode())
-        return _rebuild(meta, arrays)
+        (length,) = _LENGTH.unpack_from(data)
+        meta = json.loads(data[_LENGTH.size:_LENGTH.size + length].decode())
+        return _rebuild(meta, _Arrays(memoryview(data)[_LENGTH.size + length:]))
     except ChannelError:
         raise
     except Exception as error:  # whatever a forged message makes NumPy or json raise
@@ -107,14 +105,30 @@ def decode(data: bytes):
             from None
 
 
-def _rebuild(node, arrays: dict):
+class _Arrays:
+    """The arrays of a message, read in order from its raw bytes."""
+
+    def __init__(self, raw: memoryview):
+        self.raw, self.offset = raw, 0
+
+    def take(self, dtype: str, shape: list) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        if dtype.kind not in ARRAY_KINDS or not all(type(n) is int and n >= 0 for n in shape):
+            raise ChannelError(f"an array of {dtype} {shape!r:.40} in an answer")
+        count = math.prod(shape)
+        array = np.frombuffer(self.raw, dtype, count, self.offset).reshape(shape).copy()
+        self.offset += array.nbytes
+        return array
+
+
+def _rebuild(node, arrays: _Arrays):
     if node is None or type(node) in (bool, int, str):
         return node
     kind = node["t"]
     if kind == "float":
         return float(node["v"])
     if kind in ("array", "scalar"):
-        array = arrays[f"a{int(node['i'])}"]
+        array = arrays.take(node["dtype"], node["shape"])
         return array[()] if kind == "scalar" else array
     if kind in ("tuple", "list"):
         items = [_rebuild(item, arrays) for item in node["v"]]
