@@ -6,6 +6,7 @@ answering is named."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -284,3 +285,136 @@ def test_a_rank_that_stops_answering_is_named_and_stops_the_run(tmp_path):
                 _kill(int(f.read_text()))
     assert "rank 1 of 2 stopped answering: no heartbeat for" in out, out + err[-3000:]
     assert "(noticed by rank 0), so the run was stopped" in out
+    assert "Traceback" not in err, err[-3000:]  # the agent's log of the failure stays quiet
+
+
+# --- a signal stops a run after a step, saved (issue 33) ----------------------------------------
+
+LONG_RUN = ["--max-iters", "1000000", "--warmup-iters", "1", "--eval-interval", "5",
+            "--checkpoint-interval", "1000000"]
+
+
+def _logged_rows(log: Path) -> int:
+    return len(log.read_text().splitlines()) - 1 if log.is_file() else 0
+
+
+def _stopped_by(number: int, proc: subprocess.Popen, out_dir: Path, group: bool = False) -> str:
+    """Wait until the run in ``out_dir`` has logged 3 evaluations, send ``number`` to ``proc``
+    (its process group with ``group``, as Ctrl-C in a terminal does); (its stderr) once it is
+    gone. Time-bounded; the process is ended by its pid (group) when the bound passes."""
+    try:
+        deadline = time.monotonic() + 120
+        while _logged_rows(out_dir / "log.csv") < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        if group:
+            os.killpg(proc.pid, number)
+        else:
+            proc.send_signal(number)
+        _, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None and group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        elif proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    return err.decode()
+
+
+def _assert_stopped_and_saved(number: int, proc: subprocess.Popen, err: str,
+                              out_dir: Path) -> None:
+    """Exit code 128 + number, one line naming the signal and the checkpoint of the last step,
+    which loads."""
+    from gptlab.training.parallel.checkpoint import load_run
+
+    step = load_run(out_dir, backend="numpy").step
+    assert step >= 10  # a checkpoint after the steps logged, far from checkpoint_interval
+    name = signal.Signals(number).name
+    assert err == (f"stopped by {name}: the checkpoint of step {step} is in {out_dir}; "
+                   "continue with --resume\n"), err[-3000:]
+    assert proc.returncode == 128 + number
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_finishes_the_step_saves_and_stops_with_one_line(number, tmp_path):
+    out_dir = tmp_path / "run"
+    proc = _gptlab("train", *_cli_args("-", **TINY), *LONG_RUN, "--data", str(_corpus(tmp_path)),
+                   "--out-dir", str(out_dir))
+    err = _stopped_by(number, proc, out_dir)
+    _assert_stopped_and_saved(number, proc, err, out_dir)
+
+
+def test_ctrl_c_stops_a_parallel_run_after_a_step_saved(tmp_path):
+    """SIGINT to the launcher and its ranks (a terminal's Ctrl-C): every rank finishes the same
+    step and writes its shard; the launcher says so in one line."""
+    out_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gptlab", "train", *_cli_args("-", **TINY), *LONG_RUN, "--data",
+         str(_corpus(tmp_path)), "--out-dir", str(out_dir), "--parallel", "ddp", "--nproc", "2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    err = _stopped_by(signal.SIGINT, proc, out_dir, group=True)
+    _assert_stopped_and_saved(signal.SIGINT, proc, err, out_dir)
+    assert json.loads((out_dir / "state.json").read_text())["index_file"]
+
+
+# --- a parallel run checks its data and checkpoint before any rank starts (issue 33) ------------
+
+
+def test_a_parallel_run_refuses_bad_data_before_any_rank_starts(tmp_path, capsys, no_launch):
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"text\x00more")
+    for data, message in [(tmp_path / "missing.txt", "cannot read the corpus"),
+                          (binary, "looks binary")]:
+        err = refusal(["train", *_cli_args("-", **TINY), *PARALLEL, "--data", str(data),
+                       "--out-dir", str(tmp_path / "run")], capsys)
+        assert message in err and str(data) in err
+
+
+def test_a_parallel_resume_of_another_model_or_data_is_refused_before_any_rank_starts(
+        run_dir, tmp_path, capsys, no_launch):
+    """run_dir: 1 update of TINY on _corpus; resumed on 2 ranks with another width, other text."""
+    other = tmp_path / "other.txt"
+    other.write_text(embedded_corpus()[4_000:8_000], encoding="utf-8")
+    resume = ["train", *_cli_args("-", **TINY), *PARALLEL, "--resume", "--max-iters", "2",
+              "--out-dir", str(run_dir)]
+    err = refusal([*resume, "--n-embd", "32", "--data", str(_corpus(tmp_path))], capsys)
+    assert "cannot resume" in err and "its model is" in err
+    err = refusal([*resume, "--data", str(other)], capsys)
+    assert "cannot resume" in err and "other data than" in err
+
+
+# --- smaller: /dev/zero, an existing --out, nothing kept, --seed, an empty prompt ---------------
+
+
+def test_the_corpus_must_be_a_regular_file(tmp_path, capsys):
+    err = refusal(["train", *_cli_args("-", **TINY), "--data", "/dev/zero", "--out-dir",
+                   str(tmp_path / "run")], capsys)
+    assert "the corpus /dev/zero is not a regular file" in err
+
+
+def test_data_refuses_to_overwrite_an_existing_file(tmp_path, capsys):
+    first, out = tmp_path / "a.txt", tmp_path / "out.txt"
+    first.write_text(DOCS[0], encoding="utf-8")
+    out.write_text("mine", encoding="utf-8")
+    err = refusal(["data", str(first), "--out", str(out), "--quiet"], capsys)
+    assert f"--out {out} exists" in err and out.read_text(encoding="utf-8") == "mine"
+
+
+def test_data_with_nothing_kept_is_an_error_and_writes_nothing(tmp_path, capsys):
+    empty, out = tmp_path / "empty.txt", tmp_path / "out.txt"
+    empty.write_text("\n\n\n", encoding="utf-8")
+    err = refusal(["data", str(empty), "--out", str(out), "--quiet"], capsys)
+    assert "nothing kept" in err and not out.exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--seed", str(2**64)], f"--seed must be in [0, {2**64 - 1}], got {2**64}"),
+    (["--seed", "-1"], "--seed must be in [0,"),
+    (["--prompt", ""], "--prompt is empty"),
+])
+def test_sample_refuses_a_seed_out_of_range_and_an_empty_prompt(options, message, run_dir,
+                                                                capsys):
+    err = refusal(["sample", "--checkpoint", str(run_dir), "--max-new-tokens", "2", *options],
+                  capsys)
+    assert message in err
