@@ -198,7 +198,8 @@ class _Submission:
         return cells
 
     def call(self, name: str, args: tuple, kwargs: dict, spec, said: list):
-        """``name(*args, **kwargs)`` in the sandbox under the guard ``spec``: its result; what it
+        """``name(*args, **kwargs)`` in the sandbox under the guard ``spec`` (None: no guard, as
+        a call outside gptlab.course.grading's checks and guards): its result; what it
         warned or printed on stderr goes to ``said``, what it wrote into ``args``' arrays is
         written into them here too."""
         answer = self._exchange(wire.dump_request(
@@ -230,12 +231,16 @@ class StudentFunction:
         return f"<the student's {self.__name__}>"
 
     def __call__(self, *args, **kwargs):
-        return self.call_guarded(args, kwargs, *open_guards(), [])
+        guards = open_guards()
+        return self._call(args, kwargs, None if guards is None else guard_spec(*guards), [])
 
     def call_guarded(self, args, kwargs, allow, forbid, said):
+        return self._call(args, kwargs, guard_spec(allow, forbid), said)
+
+    def _call(self, args, kwargs, spec, said):
         if not _CURRENT:
             raise wire.ChannelError(f"{self.__name__}: no submission is being graded")
-        return _CURRENT[0].call(self.__name__, args, kwargs, guard_spec(allow, forbid), said)
+        return _CURRENT[0].call(self.__name__, args, kwargs, spec, said)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -172,8 +172,11 @@ def guard(*, allow=(), forbid=()):
         _OPEN_GUARDS.pop()
 
 
-def open_guards() -> tuple[tuple, tuple]:
-    """(allow, forbid): the functions of every :func:`guard` open now, together."""
+def open_guards() -> tuple[tuple, tuple] | None:
+    """(allow, forbid): the functions of every :func:`guard` open now, together; None if none
+    is open."""
+    if not _OPEN_GUARDS:
+        return None
     return (tuple(fn for allow, _ in _OPEN_GUARDS for fn in allow),
             tuple(fn for _, forbid in _OPEN_GUARDS for fn in forbid))
 
