@@ -23,12 +23,18 @@ and ``state.json`` goes last. A save never replaces a file with other bytes: a n
 taken by other content (the same step of an earlier run that ``--overwrite`` replaces, another
 tokenizer) gets a suffix, ``model-<step>-1.safetensors``. So a crash (even SIGKILL) at any
 point of a save leaves the previous checkpoint whole, and the files it alone names are removed
-only after the new ``state.json`` is in place.
+only after the new ``state.json`` is in place. A save removes only files that a save recorded
+(the previous state.json and index, and a journal, ``.gptlab-journal-<pid>``, of the files each
+save begins, so that a killed save's files go with the next one): the user's own files stay,
+whatever their names (``model-best.safetensors``, Hugging Face's shards).
 
 Loading verifies what each file records (format, step; rank, world size and mode for shards)
 and its sha256 against state.json (or the index), and raises ValueError naming the file and the
 problem (missing, empty, truncated, changed bytes, not safetensors, not a gptlab checkpoint,
-metadata missing a field, tensors that do not fit the config).
+metadata missing a field, a file name outside the run directory, tensors that do not fit the
+config, NaN or infinite values, a tokenizer with another number of ids than the model). Only
+the format version that records checksums is read: a state.json that claims an older one would
+turn them off.
 
 One run at a time (``claim_run_dir``): a run holds a lock on its directory (``run.lock``, an
 flock, the holder's pid inside) and refuses a directory that holds anything without ``resume``

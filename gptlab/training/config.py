@@ -98,7 +98,7 @@ class TrainConfig:
     warmup_iters: int = setting(20, "updates of linear warmup from 0 to lr")
     min_lr: float = setting(3e-4, "the cosine's final learning rate")
     lr_decay_iters: int | None = setting(None, "update at which the cosine reaches min_lr; "
-                                         "none: max_iters")
+                                         "none: max_iters (resumed: where the run's ended)")
     # evaluation (mean loss over eval_iters batches per split), logs, checkpoints
     eval_interval: int = setting(100, "evaluate every this many updates (and after the last)")
     eval_iters: int = setting(10, "batches per split in each evaluation")

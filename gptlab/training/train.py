@@ -131,10 +131,9 @@ def _check_before_launch(cfg: TrainConfig) -> None:
     """What every rank would refuse, refused once before any rank starts: the corpus, and a
     checkpoint to resume that is damaged or of another model or other data (reported here,
     with any changed settings, so that the ranks need not)."""
-    text = load_text(cfg.data)
+    text, source, data_sha256 = _corpus(cfg)
     if cfg.resume:
-        source = EMBEDDED if cfg.data is None else str(cfg.data)
-        resumed_config(cfg, load_run(cfg.out_dir), Path(cfg.out_dir), _sha256(text), source,
+        resumed_config(cfg, load_run(cfg.out_dir), Path(cfg.out_dir), data_sha256, source,
                        report=True)
 
 
@@ -146,8 +145,11 @@ def _train_rank(settings: dict, progress: bool):
         return _train(cfg, progress, stop, report=False)
 
 
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+def _corpus(cfg: TrainConfig) -> tuple[str, str, str]:
+    """(text, its name for messages, its sha256): the corpus of the run."""
+    text = load_text(cfg.data)
+    source = EMBEDDED if cfg.data is None else str(cfg.data)
+    return text, source, hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _interrupted(signal_number: int, out_dir: Path) -> RunInterrupted:
@@ -168,9 +170,7 @@ def _train(cfg: TrainConfig, progress: bool, stop: StopSignals,
     lead = rank == 0  # the rank that writes the log and shows progress
     out_dir = Path(cfg.out_dir)
     log_path = out_dir / f"log.{cfg.log_format}"
-    text = load_text(cfg.data)
-    source = EMBEDDED if cfg.data is None else str(cfg.data)
-    data_sha256 = _sha256(text)
+    text, source, data_sha256 = _corpus(cfg)
     device = cfg.device if cfg.array_backend == "torch" else None
     rng = np.random.default_rng(cfg.seed)  # batch offsets; its state is checkpointed
 
