@@ -56,8 +56,8 @@ def resumed_config(cfg: TrainConfig, ckpt, out_dir: Path, data_sha256: str, sour
         raise ValueError(f"cannot resume {out_dir}: it was trained on other data than {source}")
     saved = ckpt.state["train_config"]
     end = cosine_end(saved)
-    ends_elsewhere = end is not None and end != cfg.max_iters
-    if cfg.lr_schedule == "cosine" and cfg.lr_decay_iters is None and ends_elsewhere:
+    same_cosine = saved.get("lr_schedule") == cfg.lr_schedule == "cosine"
+    if same_cosine and cfg.lr_decay_iters is None and end not in (None, cfg.max_iters):
         cfg = replace(cfg, lr_decay_iters=end)
         if report and cfg.max_iters > end:
             print(f"resuming {out_dir} to step {cfg.max_iters}: its cosine schedule goes on as it "
