@@ -175,7 +175,9 @@ def _add_data_command(commands) -> None:
         parser.add_argument(flag, default=default, help=_help(text, flag, default), **options)
 
     parser.add_argument("files", nargs="+", metavar="FILE", help="text files to read, in order")
-    parser.add_argument("--out", required=True, help="the file to write the kept documents to")
+    parser.add_argument("--out", required=True,
+                        help="the file to write the kept documents to: a new one (an existing "
+                             "file is refused)")
     option("--separator", "\n\n\n", "the text between two documents, in the inputs and the "
            "output (in bash, type newlines as $'\\n')")
     option("--dedup", True, "near-deduplication after the exact one (--no-dedup: exact only)",
