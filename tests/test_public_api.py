@@ -201,3 +201,14 @@ def test_import_gptlab_loads_no_torch(argv):
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()}
     assert "gptlab" in loaded and not {"torch", "triton"} & loaded
+
+
+def test_the_old_quant_module_names_resolve_on_the_package_with_a_warning():
+    """The old gptlab.quant (now gptlab.quant.rtn) became a package of the same name."""
+    from gptlab.quant import rtn
+
+    with pytest.warns(DeprecationWarning, match=r"gptlab\.quant\.rtn\.quantize"):
+        from gptlab.quant import quantize
+    assert quantize is rtn.quantize
+    with pytest.raises(ImportError, match="nothing_here"):
+        from gptlab.quant import nothing_here  # noqa: F401
