@@ -78,10 +78,11 @@ def markdown(res: dict) -> str:
             f"{res['per_submission']['median']:.1f} s, {res['per_submission']['max']:.1f} s | "
             f"{res['full_marks']} | {res['not_graded']} | {res['goal_seconds']} s: {verdict} |\n\n"
             "Each submission: its notebook in its own bubblewrap sandbox (start, imports, the "
-            "chapter's cells), then its grading cells, hidden tests included, in the grader, "
-            "calling the student's functions in the sandbox. The wall time includes the "
-            "chapter's preparation (nbgrader's student version, the chapter's cells run once "
-            "in the grader, a probe of whether its imports need torch).\n")
+            "cells the answers need), then its grading cells, hidden tests included, in the "
+            "grader, calling the student's functions in the sandbox. The wall time includes "
+            "the chapter's preparation (nbgrader's student version, the chapter's cells run "
+            "once in the grader, a probe of whether its imports need torch, matplotlib's font "
+            "cache built once for all the sandboxes).\n")
 
 
 def main() -> None:

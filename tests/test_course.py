@@ -529,10 +529,12 @@ def test_only_the_chosen_chapters_are_graded(tmp_path):
     for path in chapters:
         path.write_text("{}")
         (tmp_path / "submitted" / "ann" / path.name).write_text("{}")
-    found = integrity.submissions(tmp_path / "submitted", chapters,
-                                  course.chapters(tmp_path / "book", ["02"]))
+    (tmp_path / "submitted" / "ann" / "notes.ipynb").write_text("{}")
+    found, left_out = integrity.submissions(tmp_path / "submitted", chapters,
+                                            course.chapters(tmp_path / "book", ["02"]))
     assert found == [integrity.Submission("ann", chapters[1],
                                           tmp_path / "submitted" / "ann" / "02_b.ipynb")]
+    assert len(left_out) == 1 and "notes.ipynb is not a chapter" in left_out[0]
 
 
 def test_nbgrader_rejects_broken_metadata_and_the_error_says_why(tmp_path):

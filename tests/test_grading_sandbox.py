@@ -1,7 +1,8 @@
 """The attacks of issue 34 on the autograder, planted in submissions of the course fixture
 (tests/fixtures/course/01_fixture.ipynb) and graded in one run of ``python -m gptlab grade``:
 each scores 0, is refused ("not graded") or is flagged, touches only its own row, and no honest
-submission loses a point. Every submission runs in the sandbox (bubblewrap): these tests skip
+submission loses a point. The capstone goes through the same sandbox (a few minutes: its Part 4
+trains twice). Every submission runs in the sandbox (bubblewrap): these tests skip
 where it is not installed (.ci/run installs it)."""
 
 import csv
@@ -16,7 +17,8 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
-from test_course import FIXTURE, HONEST, STYLES, ZERO_EX1, ZERO_EX2, _answered, _cell
+from test_course import (CAPSTONE, CAPSTONE_PLANTS, FIXTURE, HONEST, STYLES, ZERO_EX1, ZERO_EX2,
+                         _answered, _cell)
 
 from gptlab.cli import main
 from gptlab.course import autograde, sandbox
@@ -389,3 +391,25 @@ def test_grade_refuses_without_the_sandbox_unless_told(tmp_path, monkeypatch, ca
     assert not (tmp_path / "grades.csv").exists()
     assert main([*command, "--unsafe-no-sandbox"]) == 0
     assert "ann,all,total,6,6," in (tmp_path / "grades.csv").read_text()
+
+
+@pytest.mark.timeout(1800)
+def test_the_capstone_is_graded_in_the_sandbox_too(tmp_path):
+    """The capstone's model answers earn every point through the sandbox and the channel (its
+    Part 4 trains in the sandbox), and a Part 1 built from gptlab.layers fails there too."""
+    source_nb = nbformat.read(CAPSTONE, as_version=4)
+    answer, _, (right, wrong), message = CAPSTONE_PLANTS["part 1 from gptlab.layers"]
+    cheat = nbformat.from_dict(json.loads(json.dumps(source_nb)))
+    _cell(cheat, f"{answer}_answer").source = _cell(cheat, f"{answer}_answer").source.replace(
+        right, wrong)
+    for student, nb in (("model", source_nb), ("layers", cheat)):
+        (tmp_path / "submitted" / student).mkdir(parents=True)
+        nbformat.write(nb, tmp_path / "submitted" / student / CAPSTONE.name)
+    grades = autograde.grade(tmp_path / "submitted", CAPSTONE.parent, [CAPSTONE.stem], jobs=2,
+                             autograded=tmp_path / "autograded")
+    points = {(r.student, r.exercise): (r.points, r.max_points) for r in grades.rows}
+    assert not grades.failed, grades.failed
+    assert all(got == most for (student, _), (got, most) in points.items()
+               if student == "model"), points
+    assert points["layers", "ex1"] == (0.0, 4.0)
+    assert message in (tmp_path / "autograded" / "layers" / CAPSTONE.name).read_text()

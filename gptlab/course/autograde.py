@@ -170,7 +170,9 @@ class _Submission:
         """End its processes, all of them; later calls fail with ``reason`` (and the last line
         the sandbox wrote on stderr)."""
         if self.ended is None:
-            said = self.stderr.read_bytes()[-2000:].decode(errors="replace").strip()
+            with open(self.stderr, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 2000))
+                said = f.read().decode(errors="replace").strip()
             self.ended = reason + (f" ({said.splitlines()[-1]})" if said else "")
             sandbox.stop(self.process)
             os.close(self._requests)
@@ -363,12 +365,28 @@ def _prepare(course, chapter: Path) -> _Chapter:
 
 
 def _sandbox_cells(nb, release_nb) -> list[tuple[int, str]]:
-    """(index, source) of the cells that run in the sandbox: every code cell but the grading
-    cells, the given cells as released."""
+    """(index, source) of the cells that run in the sandbox, the grading cells never: the
+    exercise cells (the given ones as released) and every cell the student wrote or changed,
+    and the chapter's own cells that define a name one of those uses, directly or not (the
+    chapter's explorations and figures are not run again per student)."""
     given = {nbgrader_of(cell)["grade_id"]: cell.source for cell in release_nb.cells
              if GIVEN.fullmatch(nbgrader_of(cell).get("grade_id", ""))}
-    return [(i, given.get(nbgrader_of(cell).get("grade_id"), cell.source))
-            for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and not _is_grading(cell)]
+    released = {cell.source for cell in release_nb.cells}
+    cells = {i: given.get(nbgrader_of(cell).get("grade_id"), cell.source)
+             for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+             and not _is_grading(cell)}
+    trees = {i: integrity.code_of(source) for i, source in cells.items()}
+    kept = {i for i, source in cells.items() if source not in released or trees[i] is None
+            or nbgrader_of(nb.cells[i]).get("grade_id")}
+    needed: set[str] = set()
+    while True:
+        needed |= {name for i in kept if trees[i] is not None
+                   for name in integrity.used_names(trees[i])}
+        more = {i for i in cells.keys() - kept
+                if integrity.top_level_names(trees[i]) & needed}
+        if not more:
+            return [(i, cells[i]) for i in sorted(kept)]
+        kept |= more
 
 
 def _grading_cells(chapter: _Chapter) -> dict[str, tuple[bool, list]]:
@@ -492,6 +510,7 @@ def _grade_one(chapter: _Chapter, student: str, nb, settings: _Settings) -> _Out
              if (nbgrader_of(cell)["grade_id"], cell.source) not in released]
     ran = _sandbox_cells(nb, chapter.release_nb)
     home = Path(tempfile.mkdtemp(prefix="student-", dir=settings.workspace))
+    sandbox.copy_warm(settings.workspace / "warm", home)
     try:
         submission = _Submission(home, chapter.data, [source for _, source in ran],
                                  timeout=settings.timeout, limits=settings.limits,
@@ -544,9 +563,10 @@ def grade(submissions, source="book", only: Iterable[str] = (), *,
     from tqdm.auto import tqdm
 
     selected = chapters(source, only)
-    work = integrity.submissions(Path(submissions), chapters(source), selected)
+    work, left_out = integrity.submissions(Path(submissions), chapters(source), selected)
     if not work:
-        raise ValueError(f"no submissions of {', '.join(c.stem for c in selected)} in "
+        raise ValueError("; ".join(left_out) or
+                         f"no submissions of {', '.join(c.stem for c in selected)} in "
                          f"{submissions}: expected {submissions}/<student>/<chapter>.ipynb")
     if not unsafe:
         try:
@@ -554,12 +574,13 @@ def grade(submissions, source="book", only: Iterable[str] = (), *,
         except sandbox.SandboxError as error:
             raise CourseError(f"{error}; grading for credit needs the sandbox "
                               "(--unsafe-no-sandbox grades without it)") from None
-    result = Grades()
-    with _course(timeout) as course:
+    result = Grades(notes=[f"left out: {line}" for line in left_out])
+    with _course() as course:
         prepared = {chapter.stem: _prepare(course, chapter)
                     for chapter in sorted({s.chapter for s in work})}
         settings = _Settings(timeout, limits, unsafe, course.root.parent,
                              Path(autograded) if autograded is not None else None)
+        sandbox.warm(settings.workspace / "warm", limits=limits, unsafe=unsafe)
         tasks, own = [], {}
         for submission in work:
             chapter = prepared[submission.chapter.stem]

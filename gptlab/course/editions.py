@@ -143,9 +143,9 @@ class WithoutOutputWidgets:
 
 class _Course:
     """A temporary nbgrader course directory: ``root/source/<chapter>/<chapter>.ipynb`` (with the
-    data the chapter reads), ``release/``, ``submitted/``, ``autograded/``, ``gradebook.db``."""
+    data the chapter reads), ``release/``, ``gradebook.db``."""
 
-    def __init__(self, root: Path, timeout: int):
+    def __init__(self, root: Path):
         from nbgrader.coursedir import CourseDirectory
         from traitlets.config import Config
 
@@ -155,10 +155,6 @@ class _Course:
         self.config.CourseDirectory.root = str(root)
         self.config.CourseDirectory.course_id = COURSE_ID
         self.config.CourseDirectory.db_url = f"sqlite:///{root / 'gradebook.db'}"
-        self.config.Execute.timeout = timeout  # per cell; the kernel is interrupted after it
-        # the kernels' own log: errors only (not ipykernel's notice, per kernel, that it talks
-        # to nbgrader over TCP on localhost)
-        self.config.Execute.extra_arguments = ["--IPKernelApp.log_level=ERROR"]
         self.coursedir = CourseDirectory(config=self.config)
         self.log = logging.getLogger(f"{__name__}.nbgrader")
         self.log.propagate = False  # what nbgrader says is reported through _run's records
@@ -220,10 +216,10 @@ def _require_nbgrader() -> None:
 
 
 @contextmanager
-def _course(timeout: int = CELL_TIMEOUT):
+def _course():
     _require_nbgrader()
     with tempfile.TemporaryDirectory(prefix="gptlab-course-") as root:
-        yield _Course(Path(root) / "course", timeout)  # beside it: workers' copies (grade)
+        yield _Course(Path(root) / "course")  # beside it: the students' folders (grade)
 
 
 def _copy_data(source: Path, target: Path) -> None:

@@ -26,7 +26,7 @@ from .editions import HIDDEN, SOLUTION, UNGRADED_STUB, nbgrader_of
 MAX_NOTEBOOK = 50 * 2**20  # bytes: a larger hand-in is not read
 
 __all__ = ["Submission", "code_of", "flags", "own_cells", "put_back", "read_notebook",
-           "same_code_flags", "same_file_flags", "submissions", "top_level_names"]
+           "same_code_flags", "same_file_flags", "submissions", "top_level_names", "used_names"]
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,17 @@ def _kind_problem(path: Path) -> str | None:
     return None
 
 
-def submissions(folder: Path, known: list[Path], selected: list[Path]) -> list[Submission]:
+def submissions(folder: Path, known: list[Path],
+                selected: list[Path]) -> tuple[list[Submission], list[str]]:
     """Every ``folder/<student>/<chapter>.ipynb`` whose chapter is ``selected``, each with the
     reason it cannot be graded, if any (a student folder that is refused: one per selected
-    chapter). A regular file named after none of the ``known`` chapters is an error."""
+    chapter); and what is left out, said why (a notebook named after none of the ``known``
+    chapters)."""
     if not folder.is_dir():
         raise FileNotFoundError(f"submissions folder {folder} does not exist")
     known_stems = [chapter.stem for chapter in known]
     chosen = {chapter.stem: chapter for chapter in selected}
-    found = []
+    found, left_out = [], []
     for student_dir in sorted(p for p in folder.iterdir() if not p.name.startswith(".")):
         if os.path.isfile(student_dir) and not student_dir.is_symlink():
             if student_dir.suffix == ".ipynb":
@@ -85,13 +87,13 @@ def submissions(folder: Path, known: list[Path], selected: list[Path]) -> list[S
                       for chapter in selected]
             continue
         for notebook in sorted(student_dir.glob("*.ipynb")):
-            kind = _kind_problem(notebook)
-            if notebook.stem not in known_stems and kind is None:
-                raise ValueError(f"{notebook} is not a chapter: a submission is named after its "
-                                 f"chapter ({', '.join(known_stems)})")
             if notebook.stem in chosen:
-                found.append(Submission(student, chosen[notebook.stem], notebook, kind))
-    return found
+                found.append(Submission(student, chosen[notebook.stem], notebook,
+                                        _kind_problem(notebook)))
+            elif notebook.stem not in known_stems:
+                left_out.append(f"{notebook} is not a chapter: a submission is named after its "
+                                f"chapter ({', '.join(known_stems)})")
+    return found, left_out
 
 
 def read_notebook(path: Path):
@@ -224,6 +226,35 @@ def top_level_names(tree) -> set[str]:
             names |= {part.id for part in ast.walk(node)
                       if isinstance(part, ast.Name) and isinstance(part.ctx, ast.Store)}
     return names
+
+
+def used_names(tree) -> set[str]:
+    """The global names a cell's code reads: the names it loads, less each function's own
+    (its arguments and what it assigns)."""
+    found = set()
+
+    def visit(node, local: frozenset):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            body = node.body if isinstance(node.body, list) else [node.body]
+            own = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs,
+                                   args.vararg, args.kwarg] if a is not None}
+            own |= {n.id for part in body for n in ast.walk(part)
+                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            for outer in [*args.defaults, *args.kw_defaults,
+                          *getattr(node, "decorator_list", [])]:
+                if outer is not None:
+                    visit(outer, local)
+            for part in body:
+                visit(part, local | own)
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local:
+            found.add(node.id)
+        for child in ast.iter_child_nodes(node):
+            visit(child, local)
+
+    visit(tree, frozenset())
+    return found
 
 
 def _same_code(a: str, b: str) -> bool:

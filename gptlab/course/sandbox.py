@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,9 @@ NOBODY = 65534
 HOME = "/home/student"  # the submission's folder, as it sees it
 HIDDEN_MODULES = ("torch", "functorch")  # what a NumPy chapter's sandbox cannot import
 PACKAGE = Path(__file__).resolve().parent.parent  # gptlab, bound read-only
+PYTHON = os.path.abspath(sys.executable)  # this interpreter, its links kept (a virtualenv's)
+WARM = "import importlib.util\nif importlib.util.find_spec('matplotlib'):\n" \
+       "    import matplotlib.font_manager"
 DECOY = "raise ModuleNotFoundError('torch cannot be imported while a NumPy exercise is graded')\n"
 
 __all__ = ["HOME", "Limits", "SandboxError", "check", "start"]
@@ -90,7 +94,7 @@ def _hidden(decoy: Path) -> list[str]:
 
 
 def _environment() -> dict:
-    return {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "HOME": HOME,
+    return {"PATH": f"{os.path.dirname(PYTHON)}:/usr/bin:/bin", "HOME": HOME,
             "PYTHONPATH": str(PACKAGE.parent), "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8",
             "MPLBACKEND": "Agg", "MPLCONFIGDIR": f"{HOME}/.matplotlib",
             "IPYTHONDIR": f"{HOME}/.ipython", "GPTLAB_GRADING": "1",
@@ -122,13 +126,13 @@ def check() -> None:
         if shutil.which(tool) is None:
             raise SandboxError(f"the sandbox needs {tool}, which is not installed "
                                "(apt-get install bubblewrap util-linux)")
-    home = Path(os.environ.get("TMPDIR", "/tmp"))
-    command = _bwrap(home, {}, False, home) + [sys.executable, "-c", "pass"]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60,
-                              env=_environment())
-    except subprocess.TimeoutExpired:
-        raise SandboxError("the sandbox did not start within 60 s") from None
+    with tempfile.TemporaryDirectory(prefix="gptlab-sandbox-check-") as home:
+        command = _bwrap(Path(home), {}, False, Path(home)) + [PYTHON, "-c", "pass"]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                                  env=_environment())
+        except subprocess.TimeoutExpired:
+            raise SandboxError("the sandbox did not start within 60 s") from None
     if done.returncode != 0:
         said = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         raise SandboxError(f"the sandbox cannot start here: {said}")
@@ -151,15 +155,37 @@ def start(home: Path, data: dict[str, Path], program: list[str], pass_fds, stder
             (home / name).symlink_to(folder)
         env = {**_environment(), "HOME": str(home), "MPLCONFIGDIR": str(home / ".matplotlib"),
                "IPYTHONDIR": str(home / ".ipython")}
-        command = [*_prlimit(limits), sys.executable, *program]
+        command = [*_prlimit(limits), PYTHON, *program]
         return subprocess.Popen(command, cwd=home, env=env, pass_fds=pass_fds,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=stderr, start_new_session=True)
-    command = [*_prlimit(limits), *_bwrap(home, data, hide_torch, decoy), sys.executable,
-               *program]
+    command = [*_prlimit(limits), *_bwrap(home, data, hide_torch, decoy), PYTHON, *program]
     return subprocess.Popen(command, env=_environment(), pass_fds=pass_fds,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=stderr, start_new_session=True)
+
+
+def warm(home: Path, *, limits: Limits, unsafe: bool = False) -> None:
+    """Fill ``home`` with the caches a submission would build again and again (matplotlib's
+    font list), for :func:`copy_warm` to give each submission's home a copy."""
+    home.mkdir(exist_ok=True)
+    process = start(home, {}, ["-c", WARM], (), subprocess.DEVNULL, limits=limits,
+                    hide_torch=False, unsafe=unsafe)
+    try:
+        process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        stop(process)
+
+
+def copy_warm(warmed: Path, home: Path) -> None:
+    """A copy of :func:`warm`'s caches in ``home``, writable by the submission."""
+    shutil.copytree(warmed, home, dirs_exist_ok=True)
+    for folder, _, files in os.walk(home):
+        os.chmod(folder, 0o777)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o666)
 
 
 def stop(process: subprocess.Popen) -> None:
