@@ -35,25 +35,43 @@ book-student: $(STAMP)
 	@echo "Student book built: open file://$(CURDIR)/build/book-student/_build/html/index.html"
 
 # nbval re-executes every chapter and compares each output with the stored one (docs/CHAPTERS.md).
+# --timeout (pytest-timeout) bounds each cell together with its kernel's start: a kernel that never
+# answers fails that chapter instead of hanging the run.
 NBVAL := $(VENV)/bin/python -m pytest -n 2 --dist loadfile --nbval --nbval-current-env \
-	--nbval-sanitize-with book/sanitize.cfg --nbval-cell-timeout=600 --nbval-kernel-startup-timeout=120
+	--nbval-sanitize-with book/sanitize.cfg --nbval-cell-timeout=600 --nbval-kernel-startup-timeout=120 \
+	--timeout=900
 # The chapters that leave torch's thread count alone; the others call torch.set_num_threads(1).
 UNPINNED := $(shell grep -L 'set_num_threads' book/[0-9]*.ipynb)
 
-# The unit tests (with the book built and opened in Chromium and in JupyterLab; those two skip
-# where no Chromium is installed), the gradient-check table once more under MKL's portable
-# kernels (its exact-zero gradients must pass on any CPU), then every chapter three times against
-# the same stored
-# outputs: default kernels; MKL's portable kernels (MKL_CBWR=COMPATIBLE rounds float32 the way
-# another CPU does); and 2 threads per chapter. What a chapter prints must survive all three.
+# Another CPU's kernels, as far as this machine can show them: MKL's portable code path, torch's
+# scalar kernels instead of its AVX2/AVX-512 ones, and oneDNN's oldest instruction set.
+OTHER_CPU := MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41
+
+# The unit tests (with the book built once and opened in Chromium and in JupyterLab; those two
+# skip where no Chromium is installed); then every test that compares float results computed two
+# ways (marked roundoff: the gradient-check table, parallel against one process, fused against
+# readable, kernels against their twins, low precision against float32) again under OTHER_CPU at
+# 2 threads, where each difference must stay below a quarter of its derived bound
+# (tests/bounds.py); then every chapter three times against the same stored outputs: default
+# kernels; OTHER_CPU; 2 threads per chapter. What a chapter prints must survive all three.
+# Each round-off comparison records its difference and bound in _build/bounds/; the table of the
+# two runs (tools/bound_table.py) is _build/bounds/table.md, as in docs/TOLERANCES.md.
+BOUNDS := $(CURDIR)/_build/bounds
+
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests -n 2 --dist loadfile
-	@echo "== the gradient-check table again under MKL_CBWR=COMPATIBLE (another CPU's kernels)"
-	MKL_CBWR=COMPATIBLE $(VENV)/bin/python -m pytest tests/test_layers.py -n 2 --dist loadfile
+	rm -rf $(BOUNDS) && mkdir -p $(BOUNDS)
+	GPTLAB_BOUND_RECORD=$(BOUNDS)/default.jsonl \
+		$(VENV)/bin/python -m pytest tests -n 2 --dist loadfile --timeout=1800
+	@echo "== the round-off comparisons again: another CPU's kernels, 2 threads, a quarter of each bound"
+	$(OTHER_CPU) GPTLAB_TEST_THREADS=2 GPTLAB_BOUND_MARGIN=4 GPTLAB_BOUND_RECORD=$(BOUNDS)/other.jsonl \
+		$(VENV)/bin/python -m pytest tests -m roundoff -n 2 --dist loadfile --timeout=1800
+	$(VENV)/bin/python tools/bound_table.py "default=$(BOUNDS)/default.jsonl" \
+		"other CPU, 2 threads=$(BOUNDS)/other.jsonl" > $(BOUNDS)/table.md
+	@echo "== the bounds and their margins: $(BOUNDS)/table.md"
 	@echo "== nbval 1/3: default kernels, 1 thread per chapter"
 	OMP_NUM_THREADS=1 $(NBVAL) book/
-	@echo "== nbval 2/3: MKL_CBWR=COMPATIBLE, 1 thread per chapter"
-	OMP_NUM_THREADS=1 MKL_CBWR=COMPATIBLE $(NBVAL) book/
+	@echo "== nbval 2/3: another CPU's kernels ($(OTHER_CPU)), 1 thread per chapter"
+	OMP_NUM_THREADS=1 $(OTHER_CPU) $(NBVAL) book/
 	@echo "== nbval 3/3: 2 threads per chapter, the chapters that do not pin torch's threads"
 	OMP_NUM_THREADS=2 $(NBVAL) $(UNPINNED)
 

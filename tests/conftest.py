@@ -31,8 +31,9 @@ from gptlab.backend import array_device, array_namespace, asarray_like, to_numpy
 array_api_strict.set_array_api_strict_flags(api_version="2025.12")
 
 # pytest-xdist runs one worker per core: one torch thread per worker avoids oversubscribing
-# the cores (tiny float64 ops get many times slower when threads fight over a core).
-torch.set_num_threads(1)
+# the cores (tiny float64 ops get many times slower when threads fight over a core). `make test`
+# runs the round-off comparisons again at GPTLAB_TEST_THREADS=2: another reduction order.
+torch.set_num_threads(int(os.environ.get("GPTLAB_TEST_THREADS", "1")))
 
 # Without CUDA, the Triton kernels (gptlab/kernels/) run under Triton's interpreter on CPU
 # tensors. Triton reads TRITON_INTERPRET when a kernel is defined, so it is set here, before any

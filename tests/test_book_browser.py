@@ -29,9 +29,12 @@ chromium`; `.ci/run` installs it). `GPTLAB_CHROMIUM=/path/to/chrome` picks a bro
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import http.server
 import importlib.util
+import json
+import os
 import re
 import subprocess
 import sys
@@ -112,12 +115,24 @@ class Build:
 
 @pytest.fixture(scope="session")  # tests/test_book_layout.py measures the same build
 def book(tmp_path_factory) -> Build:
-    out = tmp_path_factory.mktemp("book")
-    exe = Path(sys.executable).with_name("jupyter-book")
-    command = [str(exe) if exe.is_file() else "jupyter-book", "build", str(ROOT), "--path-output", str(out), "-n", "--keep-going"]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    log = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"jupyter-book build failed ({proc.returncode}):\n{log[-6000:]}"
+    """One build per test run: under xdist the first worker to ask builds into the run's shared
+    temporary folder while the others wait on a lock, then all read the same build."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # pytest-N/, whose popen-gwK/ folders are the workers'
+    out, result = shared / "book", shared / "book-build.json"
+    with open(shared / "book-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            exe = Path(sys.executable).with_name("jupyter-book")
+            command = [str(exe) if exe.is_file() else "jupyter-book", "build", str(ROOT),
+                       "--path-output", str(out), "-n", "--keep-going"]
+            proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+            log = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+            result.write_text(json.dumps({"returncode": proc.returncode, "log": log}))
+    built = json.loads(result.read_text())
+    log = built["log"]
+    assert built["returncode"] == 0, f"jupyter-book build failed ({built['returncode']}):\n{log[-6000:]}"
     return Build(html=out / "_build" / "html", log=log)
 
 

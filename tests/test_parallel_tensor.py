@@ -181,6 +181,7 @@ CFG = GPTConfig(n_layer=2, n_head=4, n_embd=8, vocab_size=16, block_size=4)
 RUN = (CFG, 20, 4, 4)  # the config, 20 updates, batches of (4, 4) tokens
 
 
+@pytest.mark.roundoff
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensor_parallel_training_equals_one_process(world_size):
     ranks = run_ranks(train_in_both_dtypes, world_size, "tensor", RUN, {}, timeout=240)
@@ -229,6 +230,7 @@ def test_n_head_not_divisible_by_the_world_size_is_refused():
 ODD_VOCAB = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=103, block_size=4)
 
 
+@pytest.mark.roundoff
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_a_vocabulary_the_ranks_do_not_divide_is_padded_and_trains_as_one_process(tie):
     """V = 103 on 2 ranks: 52 rows each, the last one padding that never gets probability."""

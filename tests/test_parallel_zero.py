@@ -1,6 +1,7 @@
 """ZeRO 1, 2, 3 on 2 and 4 processes: equal to one process after 20 updates (float64 to 1e-12,
-float32 to 1e-6, and with gradient accumulation), and the bytes each rank holds equal the ZeRO
-paper's count (Rajbhandari et al. 2020, section 5.1) exactly when every tensor splits evenly."""
+float32 to test_parallel_ddp.py's derived bound, and with gradient accumulation), and the bytes
+each rank holds equal the ZeRO paper's count (Rajbhandari et al. 2020, section 5.1) exactly
+when every tensor splits evenly."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def world_results(request):
     return request.param, launch(run_zero, request.param, CASES, timeout_s=60)
 
 
+@pytest.mark.roundoff
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-accum{c[2]}")
 def test_weights_equal_one_process(world_results, reference, case):  # noqa: F811
     check_equal_to_one_process([results for results, _ in world_results[1]], reference, case)
