@@ -116,9 +116,11 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 def _gptlab(*args) -> subprocess.Popen:
+    """``python -m gptlab ARGS`` in a process group of its own (ended by its id)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "gptlab", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
 
 
 def test_sample_streams_the_tokens_as_they_come(run_dir):
@@ -298,25 +300,33 @@ def _logged_rows(log: Path) -> int:
     return len(log.read_text().splitlines()) - 1 if log.is_file() else 0
 
 
-def _stopped_by(number: int, proc: subprocess.Popen, out_dir: Path, group: bool = False) -> str:
-    """Wait until the run in ``out_dir`` has logged 3 evaluations, send ``number`` to ``proc``
-    (its process group with ``group``, as Ctrl-C in a terminal does); (its stderr) once it is
-    gone. Time-bounded; the process is ended by its pid (group) when the bound passes."""
+def _rank_pids(launcher_pid: int) -> list[int]:
+    """The pids of the ranks a launcher started (its children that multiprocessing spawned)."""
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    return [int(pid) for pid in children
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def _stopped_by(number: int, proc: subprocess.Popen, out_dir: Path, to: str = "process") -> str:
+    """Wait until the run in ``out_dir`` has logged 3 evaluations, send ``number`` ``to`` the
+    "process" ``proc``, its process "group" (as Ctrl-C in a terminal does) or its last "rank";
+    (its stderr) once it is gone. Time-bounded; the process group is ended by its id when the
+    bound passes."""
     try:
         deadline = time.monotonic() + 120
         while _logged_rows(out_dir / "log.csv") < 3:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
-        if group:
+        if to == "group":
             os.killpg(proc.pid, number)
+        elif to == "rank":
+            os.kill(_rank_pids(proc.pid)[-1], number)
         else:
             proc.send_signal(number)
         _, err = proc.communicate(timeout=200)
     finally:
-        if proc.poll() is None and group:
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        elif proc.poll() is None:
-            proc.kill()
         proc.communicate()
     return err.decode()
 
@@ -344,17 +354,17 @@ def test_a_signal_finishes_the_step_saves_and_stops_with_one_line(number, tmp_pa
     _assert_stopped_and_saved(number, proc, err, out_dir)
 
 
-def test_ctrl_c_stops_a_parallel_run_after_a_step_saved(tmp_path):
-    """SIGINT to the launcher and its ranks (a terminal's Ctrl-C): every rank finishes the same
-    step and writes its shard; the launcher says so in one line."""
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
+@pytest.mark.parametrize("number, to", [(signal.SIGINT, "group"), (signal.SIGTERM, "rank")],
+                         ids=["ctrl-c", "sigterm-to-a-rank"])
+def test_a_signal_stops_a_parallel_run_after_a_step_saved(number, to, tmp_path):
+    """SIGINT to the launcher and its ranks (a terminal's Ctrl-C), or SIGTERM to one rank only:
+    every rank finishes the same step and writes its shard; the launcher says so in one line."""
     out_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gptlab", "train", *_cli_args("-", **TINY), *LONG_RUN, "--data",
-         str(_corpus(tmp_path)), "--out-dir", str(out_dir), "--parallel", "ddp", "--nproc", "2"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    err = _stopped_by(signal.SIGINT, proc, out_dir, group=True)
-    _assert_stopped_and_saved(signal.SIGINT, proc, err, out_dir)
+    proc = _gptlab("train", *_cli_args("-", **TINY), *LONG_RUN, "--data", str(_corpus(tmp_path)),
+                   "--out-dir", str(out_dir), "--parallel", "ddp", "--nproc", "2")
+    err = _stopped_by(number, proc, out_dir, to)
+    _assert_stopped_and_saved(number, proc, err, out_dir)
     assert json.loads((out_dir / "state.json").read_text())["index_file"]
 
 

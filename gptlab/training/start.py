@@ -72,11 +72,11 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class StopSignals:
     """Inside the ``with`` block, SIGINT (Ctrl-C) and SIGTERM do not end the process: they are
-    noted, and the training loop asks ``requested()`` after each step, saves and stops. Outside
+    noted, and the training loop asks ``received()`` after each step, saves and stops. Outside
     the main thread (where Python delivers no signals) it notes nothing."""
 
     def __init__(self):
-        self.signal_number = None  # the last signal received
+        self.signal_number = 0  # the last signal noted (0: none)
         self.handlers = {}
 
     def __enter__(self) -> StopSignals:
@@ -91,18 +91,17 @@ class StopSignals:
     def _note(self, number: int, frame) -> None:
         self.signal_number = number
 
-    def requested(self, across_ranks: bool = False, device=None) -> bool:
-        """Whether a signal asked the run to stop; ``across_ranks``: whether one came to any
-        rank of the process group (a collective, so that all ranks save the same step)."""
+    def received(self, across_ranks: bool = False, device=None) -> int:
+        """The signal that asks the run to stop (0: none); ``across_ranks``: one that came to
+        any rank of the process group (a collective, so that all ranks save the same step)."""
         if not across_ranks:
-            return self.signal_number is not None
+            return self.signal_number
         import torch
         import torch.distributed as dist
 
-        received = torch.tensor([self.signal_number or 0], device=device or "cpu")
-        dist.all_reduce(received, op=dist.ReduceOp.MAX)
-        self.signal_number = int(received.item()) or None
-        return self.signal_number is not None
+        number = torch.tensor([self.signal_number], device=device or "cpu")
+        dist.all_reduce(number, op=dist.ReduceOp.MAX)  # a signal noted meanwhile counts next step
+        return int(number.item())
 
 
 def check_start(cfg: TrainConfig, world_size: int) -> None:

@@ -267,12 +267,12 @@ def _train(cfg: TrainConfig, progress: bool, stop: StopSignals,
             if progress and lead:
                 bar.write(f"step {step}: train {row['train_loss']:.4f}, val {row['val_loss']:.4f}")
         interval = cfg.checkpoint_interval
-        stopping = stop.requested(cfg.parallel != "none", device)  # Ctrl-C, SIGTERM
-        if (interval > 0 and step % interval == 0) or step == cfg.max_iters or stopping:  # save
+        stop_signal = stop.received(cfg.parallel != "none", device)  # Ctrl-C, SIGTERM; 0: none
+        if (interval > 0 and step % interval == 0) or step == cfg.max_iters or stop_signal:  # save
             checkpoint_path = save(step)
-        if stopping:
+        if stop_signal:
             bar.close()
-            raise _interrupted(stop.signal_number, out_dir)
+            raise _interrupted(stop_signal, out_dir)
     bar.close()
     params = mode.full_params()  # a collective in ZeRO 3: every rank takes part
     if not lead:
