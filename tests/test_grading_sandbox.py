@@ -134,7 +134,8 @@ for _db in glob.glob("/tmp/gptlab-course-*/**/gradebook.db", recursive=True):
             grads[id(node.variable)] = grads.get(id(node.variable), 0) + g
             continue
         outs = node(g)
-        for (after, _), out in zip(node.next_functions, outs if isinstance(outs, tuple) else (outs,)):
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        for (after, _), out in zip(node.next_functions, outs):
             if out is not None:
                 stack.append((after, out))
     return grads[id(x)].numpy(), grads[id(wt)].numpy()

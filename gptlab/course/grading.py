@@ -242,9 +242,10 @@ def watch(allowed: set, forbidden: dict):
 
 def package_functions(*, allow_modules=(), allow=()) -> tuple[list, list]:
     """``(allowed, forbidden)``: the Python functions and methods of every loaded gptlab module
-    but the course's own (this one, the grader's) and gradcheck, split into those of ``allow_modules`` or in ``allow`` and the
-    others: ``check_function(..., allow=allowed, forbid=forbidden)`` enforces a whitelist
-    ("from gptlab you may use the configuration and the data helpers")."""
+    but the course's own (this one, the grader's) and gradcheck, split into those of
+    ``allow_modules`` or in ``allow`` and the others: ``check_function(..., allow=allowed,
+    forbid=forbidden)`` enforces a whitelist ("from gptlab you may use the configuration and
+    the data helpers")."""
     allowed_modules = {module.__name__ for module in allow_modules}
     allowed = {_code(fn) for fn in allow}
     found: dict = {}

@@ -20,6 +20,7 @@ from . import wire
 from .grading import recorded, spec_bodies, watch
 
 MAX_TEXT = 20_000  # characters of one output kept for the feedback
+MAX_SAID = (20, 500)  # lines and characters a call's warnings and stderr keep in its report
 MIME_TYPES = ("text/plain", "text/html", "text/markdown", "text/latex", "image/png")
 
 
@@ -86,7 +87,7 @@ def serve(namespace: dict, fd_in: int, fd_out: int) -> None:
             answer = {"value": value}
         except BaseException as error:  # the student's code may raise anything, exit included
             answer = {"error": type(error).__name__, "message": str(error)[:MAX_TEXT]}
-        answer["said"] = [line[:MAX_TEXT] for line in said[:50]]
+        answer["said"] = [line[:MAX_SAID[1]] for line in said[:MAX_SAID[0]]]
         answer["changed"] = [(k, leaf) for k, (leaf, old) in
                              enumerate(zip(wire.array_leaves((args, kwargs)), before))
                              if leaf.shape == old.shape and leaf.tobytes() != old.tobytes()]

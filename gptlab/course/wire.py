@@ -3,9 +3,10 @@
 The grader sends requests (which student function to call, on which inputs, under which guard)
 as pickles: the sandbox trusts the grader. The sandbox answers with :func:`encode`, which the
 grader reads with :func:`decode`: JSON for the structure, each array's dtype (numbers, booleans
-and strings only) and shape, then the arrays' raw bytes. Nothing the student's code returns is unpickled or
-executed by the grader: it gets numbers, strings, arrays, and containers of them; any other
-object stays in the sandbox and travels as a :class:`Handle` that only the sandbox can resolve.
+and strings only) and shape, then the arrays' raw bytes. Nothing the student's code returns is
+unpickled or executed by the grader: it gets numbers, strings, arrays, and containers of them;
+any other object stays in the sandbox and travels as a :class:`Handle` that only the sandbox
+can resolve.
 
 Messages are framed by an 8-byte length.
 """
