@@ -35,7 +35,7 @@ from unittest import mock
 
 import numpy as np
 
-from . import integrity, sandbox, wire
+from . import integrity, runner, sandbox, wire
 from .editions import (CELL_TIMEOUT, CHAPTER_DATA, HIDDEN, CourseError, _course, _graded_cells,
                        _read, chapters, nbgrader_of)
 from .grading import guard_spec, open_guards
@@ -432,9 +432,6 @@ def _grading_cells(chapter: _Chapter) -> dict[str, tuple[bool, list]]:
     return verdicts
 
 
-MIME_TYPES = ("text/plain", "text/html", "text/markdown", "text/latex", "image/png")
-
-
 def _checked_outputs(outputs) -> list:
     """The outputs the sandbox sent for one cell, as nbformat outputs; anything else dropped."""
     from nbformat.v4 import new_output
@@ -448,7 +445,7 @@ def _checked_outputs(outputs) -> list:
                 kept.append(new_output("stream", name=name, text=str(output["text"])))
             elif kind in ("display_data", "execute_result"):
                 kept.append(new_output("display_data", data={
-                    k: str(v) for k, v in output["data"].items() if k in MIME_TYPES}))
+                    k: str(v) for k, v in output["data"].items() if k in runner.MIME_TYPES}))
             elif kind == "error":
                 kept.append(new_output("error", ename=str(output["ename"]),
                                        evalue=str(output["evalue"]), traceback=[]))
@@ -459,23 +456,24 @@ def _checked_outputs(outputs) -> list:
 
 def _feedback(nb, ran: list[int], outputs: list, chapter: _Chapter, verdicts: dict,
               target: Path) -> None:
-    """The submission for its student: its cells' outputs from the sandbox, and each grading
-    cell as released with the grader's report (the hidden tests are not in it)."""
+    """The submission for its student: the outputs of the cells its sandbox ran, and each
+    grading cell as released with the grader's report (the hidden tests are not in it)."""
     import nbformat
 
     hidden = re.escape(HIDDEN[0]) + ".*?" + re.escape(HIDDEN[1])
     source = {nbgrader_of(cell)["grade_id"]: cell.source for cell in filter(
         _is_grading, chapter.source_nb.cells)}
+    for cell in nb.cells:
+        if cell.cell_type == "code":  # a cell the sandbox did not run shows nothing
+            cell.outputs, cell.execution_count = [], None
     for index, cell_outputs in zip(ran, outputs):
         nb.cells[index].outputs = _checked_outputs(cell_outputs)
-        nb.cells[index].execution_count = None
     for cell in filter(_is_grading, nb.cells):
         grade_id = nbgrader_of(cell)["grade_id"]
         if grade_id in verdicts:
             cell.source = re.sub(hidden, "# (hidden tests: run when grading)", source[grade_id],
                                  flags=re.S)
             cell.outputs = verdicts[grade_id][1]
-            cell.execution_count = None
     target.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, target)
 
