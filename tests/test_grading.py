@@ -309,3 +309,26 @@ def test_package_functions_split_a_whitelist():
     report = check_function(from_the_package, reference, {"x": (np.ones((2, 3)),)},
                             allow=allowed, forbid=forbidden)
     assert "calls gptlab.layers.layernorm.layernorm_forward" in report.results[0].detail
+
+
+def test_the_channel_carries_numbers_and_arrays_never_objects():
+    """gptlab.course.wire: what a sandbox sends the grader is rebuilt without pickle; an object
+    stays a handle; a forged message is a ChannelError, not an object."""
+    from gptlab.course import wire
+
+    sent = {"loss": np.float32(1.5), "grads": (np.arange(6.0).reshape(2, 3).T, [True, None]),
+            7: float("inf"), "name": "x", "empty": np.zeros((0, 3), np.int8)}
+    got = wire.decode(wire.encode(sent))
+    assert type(got["loss"]) is np.float32 and got[7] == float("inf") and got["name"] == "x"
+    assert np.array_equal(got["grads"][0], sent["grads"][0]) and got["grads"][1] == [True, None]
+    assert got["empty"].shape == (0, 3) and got["empty"].dtype == np.int8
+    kept = []
+    handle = wire.decode(wire.encode({"f": print}, lambda obj: kept.append(obj) or 0))["f"]
+    assert isinstance(handle, wire.Handle) and kept == [print]
+    with pytest.raises(TypeError):
+        wire.encode(np.array([object()], dtype=object))
+    forged = wire.encode(np.ones(2)).replace(b'"<f8"', b'"|O8"')
+    with pytest.raises(wire.ChannelError):
+        wire.decode(forged)
+    with pytest.raises(wire.ChannelError):
+        wire.decode(b"\x05\x00\x00\x00\x00\x00\x00\x00{bad")

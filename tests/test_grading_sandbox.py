@@ -244,6 +244,10 @@ def run(tmp_path_factory):
         hand_ins[student] = _answered(student_nb, answers)
     copied = _answered(student_nb, _style("jupyterlab"))
     hand_ins["copy-a"] = hand_ins["copy-b"] = copied
+    hand_ins["copy-renamed"] = _answered(student_nb, {  # names, comments and layout changed
+        exercise: code.replace("flat_dy", "rows_dy").replace("shifted", "z").replace(
+            "    g = dy * w", "    # the gradient through the gain\n    g = dy  *  w")
+        for exercise, code in _style("jupyterlab").items()})
     for student, nb in hand_ins.items():
         (submitted / student).mkdir(parents=True)
         nbformat.write(nb, submitted / student / FIXTURE.name)
@@ -298,7 +302,7 @@ def test_every_attack_scores_zero(run, student):
 
 def test_honest_work_keeps_its_points_whatever_the_others_did(run):
     """The victim of the overwriting attack, names in any alphabet, honest identical copies."""
-    for student in [*HONEST_NAMES, "copy-a", "copy-b"]:
+    for student in [*HONEST_NAMES, "copy-a", "copy-b", "copy-renamed"]:
         assert run["rows"][student]["ex1"][0] == 4 and run["rows"][student]["ex2"][0] == 2, \
             (student, run["rows"][student])
 
@@ -324,7 +328,9 @@ def test_nothing_outlives_grading_to_change_the_grades(run):
 
 def test_the_sandbox_has_limits_no_network_no_root_no_torch_no_chapters(run):
     text = _feedback(run, "limits")
-    for said in ("uid 65534", "2 GiB refused: MemoryError", "100 MiB file refused",
+    uid = int(re.search(r"uid (\d+)", text).group(1))
+    assert sandbox.NOBODY - 2 < uid <= sandbox.NOBODY  # one user per sandbox running at once
+    for said in ("2 GiB refused: MemoryError", "100 MiB file refused",
                  "network refused", "400 threads refused", "torch refused",
                  "sees the chapters: False False"):
         assert said in text, said
@@ -335,6 +341,8 @@ def test_identical_hand_ins_are_flagged(run):
     rows = run["rows"]
     assert "identical to the hand-in of copy-b" in rows["copy-a"]["ex1"][1]
     assert "identical to the hand-in of copy-a" in rows["copy-b"]["ex1"][1]
+    assert "the same code, up to names, comments and layout, as the hand-in of copy-a, copy-b" \
+        in rows["copy-renamed"]["ex1"][1], rows["copy-renamed"]
     for student in ("link-1", "link-2", "link-3"):
         assert "the same file as the hand-in of" in rows[student]["total"][1], rows[student]
     assert rows["zz-victim"]["total"][1] == "" and rows["José"]["total"][1] == ""

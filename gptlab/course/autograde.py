@@ -19,6 +19,7 @@ import csv
 import io
 import json
 import os
+import queue
 import re
 import shutil
 import subprocess
@@ -141,7 +142,7 @@ class StudentError(Exception):
 class _Submission:
     """One submission's runner in its sandbox, and the channel to it."""
 
-    def __init__(self, home: Path, data: dict, sources: list[str], *, timeout: int,
+    def __init__(self, home: Path, data: dict, sources: list[str], *, timeout: int, uid: int,
                  limits: sandbox.Limits, hide_torch: bool, unsafe: bool):
         (home / "cells.json").write_text(json.dumps(sources))
         cells = home / "cells.json" if unsafe else f"{sandbox.HOME}/cells.json"
@@ -154,7 +155,7 @@ class _Submission:
                     home, data, ["-m", "gptlab.course.runner", str(cells), str(timeout),
                                  str(request_read), str(answer_write)],
                     (request_read, answer_write), stderr, limits=limits, hide_torch=hide_torch,
-                    unsafe=unsafe)
+                    uid=uid, unsafe=unsafe)
         except OSError:
             os.close(self._requests)
             os.close(self._answers)
@@ -497,8 +498,9 @@ class _Settings:
     autograded: Path | None
 
 
-def _grade_one(chapter: _Chapter, student: str, nb, settings: _Settings) -> _Outcome:
-    """Run one (prepared) submission in its sandbox, then its chapter's grading cells here."""
+def _grade_one(chapter: _Chapter, student: str, nb, settings: _Settings, uid: int) -> _Outcome:
+    """Run one (prepared) submission in its sandbox (as ``uid``), then its chapter's grading
+    cells here."""
     start = time.perf_counter()
     stem = chapter.path.stem
     released = {(nbgrader_of(cell).get("grade_id"), cell.source)
@@ -511,7 +513,7 @@ def _grade_one(chapter: _Chapter, student: str, nb, settings: _Settings) -> _Out
     sandbox.copy_warm(settings.workspace / "warm", home)
     try:
         submission = _Submission(home, chapter.data, [source for _, source in ran],
-                                 timeout=settings.timeout, limits=settings.limits,
+                                 timeout=settings.timeout, uid=uid, limits=settings.limits,
                                  hide_torch=not chapter.needs_torch, unsafe=settings.unsafe)
     except OSError as error:
         return _Outcome([], notes, f"{student}/{stem}: the sandbox did not start: {error}",
@@ -605,16 +607,22 @@ def grade(submissions, source="book", only: Iterable[str] = (), *,
         bar = tqdm(total=len(tasks), desc="grading", unit="notebook", disable=not progress,
                    file=sys.stderr)
 
+        users = queue.SimpleQueue()  # a user per sandbox running at once
+        for k in range(max(1, jobs)):
+            users.put(sandbox.NOBODY - k)
+
         def run(task) -> _Outcome:
             student, chapter, nb, problem = task
+            uid = users.get()
             try:
                 if problem is not None:
                     return _Outcome([], [], f"{student}/{chapter.path.stem}: {problem}", 0.0)
-                return _grade_one(chapter, student, nb, settings)
+                return _grade_one(chapter, student, nb, settings, uid)
             except Exception as error:  # noqa: BLE001 - one bad submission: its own row only
                 return _Outcome([], [], f"{student}/{chapter.path.stem}: the grader could not "
                                 f"grade it: {type(error).__name__}: {error}", 0.0)
             finally:
+                users.put(uid)
                 bar.update()
 
         with ThreadPoolExecutor(max(1, jobs)) as pool:

@@ -5,9 +5,10 @@ PID, network, IPC and UTS namespaces (no network but loopback; every process of 
 ends with it), a root file system of read-only binds (the system's ``/usr``, Python, the
 virtual environment and the ``gptlab`` package only) and one writable folder, its own home.
 The grading workspace, the chapters, the other submissions and the grades are not in it. It runs
-as ``nobody`` (uid 65534) without capabilities, under limits (``prlimit``) on memory, CPU time,
-processes, open files and file size; the grader ends it at its wall-clock limit. Where a
-chapter's imports do not need torch, torch's folder is replaced by one whose import fails.
+as ``nobody`` (uid 65534; 65533, ... for the sandboxes running beside it) without capabilities,
+under limits (``prlimit``) on memory, CPU time, processes, open files and file size; the grader
+ends it at its wall-clock limit. Where a chapter's imports do not need torch, torch's folder is
+replaced by one whose import fails.
 
 ``unsafe=True`` runs the same program without the sandbox (limits and process group only), for
 an instructor who asked for it (``grade --unsafe-no-sandbox``).
@@ -25,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-NOBODY = 65534
+NOBODY = 65534  # the sandbox's user; N sandboxes at once are NOBODY, NOBODY - 1, ...
 HOME = "/home/student"  # the submission's folder, as it sees it
 HIDDEN_MODULES = ("torch", "functorch")  # what a NumPy chapter's sandbox cannot import
 PACKAGE = Path(__file__).resolve().parent.parent  # gptlab, bound read-only
@@ -101,14 +102,15 @@ def _environment() -> dict:
             "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _bwrap(home: Path, data: dict[str, Path], hide_torch: bool, decoy: Path) -> list[str]:
-    """The ``bwrap`` command line up to the program it runs (as ``nobody``)."""
-    if os.geteuid() == 0:  # no user namespace: setpriv makes the program nobody, capabilities gone
+def _bwrap(home: Path, data: dict[str, Path], hide_torch: bool, decoy: Path,
+           uid: int) -> list[str]:
+    """The ``bwrap`` command line up to the program it runs (as ``uid``)."""
+    if os.geteuid() == 0:  # no user namespace: setpriv makes the program uid, capabilities gone
         users = []
-        become = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+        become = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                   "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
-    else:
-        users, become = ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)], []
+    else:  # inside a user namespace: uid is the caller's own outside
+        users, become = ["--unshare-user", "--uid", str(uid), "--gid", str(uid)], []
     args = ["bwrap", *users, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session", *_read_only(),
             "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(256 * 2**20),
@@ -127,7 +129,7 @@ def check() -> None:
             raise SandboxError(f"the sandbox needs {tool}, which is not installed "
                                "(apt-get install bubblewrap util-linux)")
     with tempfile.TemporaryDirectory(prefix="gptlab-sandbox-check-") as home:
-        command = _bwrap(Path(home), {}, False, Path(home)) + [PYTHON, "-c", "pass"]
+        command = _bwrap(Path(home), {}, False, Path(home), NOBODY) + [PYTHON, "-c", "pass"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=60,
                                   env=_environment())
@@ -139,11 +141,13 @@ def check() -> None:
 
 
 def start(home: Path, data: dict[str, Path], program: list[str], pass_fds, stderr, *,
-          limits: Limits, hide_torch: bool, unsafe: bool = False) -> subprocess.Popen:
+          limits: Limits, hide_torch: bool, uid: int = NOBODY,
+          unsafe: bool = False) -> subprocess.Popen:
     """Start ``program`` (arguments after the Python interpreter) for one submission whose
     folder is ``home`` (it becomes HOME, writable; ``data``: name -> folder, read-only beside
-    it). ``pass_fds``: the channel's descriptors; ``stderr``: a file for what the sandbox and
-    the runner say on stderr. The caller ends it with :func:`stop`."""
+    it), as ``uid`` (one per sandbox running at once: the limit on processes counts per user).
+    ``pass_fds``: the channel's descriptors; ``stderr``: a file for what the sandbox and the
+    runner say on stderr. The caller ends it with :func:`stop`."""
     home.chmod(0o777)  # nobody writes there
     decoy = home.parent / "torch-decoy"
     if hide_torch and not decoy.exists():
@@ -159,7 +163,7 @@ def start(home: Path, data: dict[str, Path], program: list[str], pass_fds, stder
         return subprocess.Popen(command, cwd=home, env=env, pass_fds=pass_fds,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=stderr, start_new_session=True)
-    command = [*_prlimit(limits), *_bwrap(home, data, hide_torch, decoy), PYTHON, *program]
+    command = [*_prlimit(limits), *_bwrap(home, data, hide_torch, decoy, uid), PYTHON, *program]
     return subprocess.Popen(command, env=_environment(), pass_fds=pass_fds,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=stderr, start_new_session=True)
