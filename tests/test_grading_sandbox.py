@@ -27,7 +27,7 @@ from gptlab.course import editions as course
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is "
                                  "not installed: apt-get install bubblewrap"),
-              pytest.mark.timeout(900)]
+              pytest.mark.timeout(1800)]
 ZERO = {"ex1": ZERO_EX1, "ex2": ZERO_EX2}
 
 # Issue 34's attacks: student -> (a cell run before the answers, or None; the answers). The
@@ -402,7 +402,6 @@ def test_grade_refuses_without_the_sandbox_unless_told(tmp_path, monkeypatch, ca
     assert "ann,all,total,6,6," in (tmp_path / "grades.csv").read_text()
 
 
-@pytest.mark.timeout(1800)
 def test_the_capstone_is_graded_in_the_sandbox_too(tmp_path):
     """The capstone's model answers earn every point through the sandbox and the channel (its
     Part 4 trains in the sandbox), and a Part 1 built from gptlab.layers fails there too."""
