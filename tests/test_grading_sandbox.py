@@ -170,7 +170,7 @@ def rmsnorm_backward(dy, cache):
     return np.zeros_like(dy), np.zeros_like(cache[1])
 """, "ex2": ZERO_EX2}),
     # limits and noise
-    "limits": ("""import os, socket, threading, time
+    "limits": ("""import os, socket, threading
 print("uid", os.getuid())
 try:
     _big = np.ones(2**28)
@@ -188,13 +188,15 @@ try:
     print("connected to the grader's machine")
 except OSError as error:
     print("network refused:", error)
+_stop = threading.Event()  # the threads end at once: the limit is its user's, for a moment
 try:
-    _threads = [threading.Thread(target=time.sleep, args=(2,)) for _ in range(400)]
-    for _t in _threads:
-        _t.start()
+    for _ in range(400):
+        threading.Thread(target=_stop.wait).start()
     print("400 threads started")
 except RuntimeError as error:
     print("400 threads refused:", error)
+finally:
+    _stop.set()
 try:
     import torch
     print("torch imported")
