@@ -111,10 +111,11 @@ def _bwrap(home: Path, data: dict[str, Path], hide_torch: bool, decoy: Path,
                   "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
     else:  # inside a user namespace: uid is the caller's own outside
         users, become = ["--unshare-user", "--uid", str(uid), "--gid", str(uid)], []
+    # /tmp first: a checkout or virtual environment under /tmp (a CI clone's) is bound over it
     args = ["bwrap", *users, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-            "--unshare-cgroup-try", "--die-with-parent", "--new-session", *_read_only(),
-            "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(256 * 2**20),
-            "--tmpfs", "/tmp", *_parents(HOME), "--bind", str(home), HOME]
+            "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+            "--perms", "1777", "--size", str(256 * 2**20), "--tmpfs", "/tmp", *_read_only(),
+            "--proc", "/proc", "--dev", "/dev", *_parents(HOME), "--bind", str(home), HOME]
     for inside, folder in data.items():
         args += [*_parents(f"{HOME}/{inside}", HOME), "--ro-bind", str(folder), f"{HOME}/{inside}"]
     if hide_torch:
