@@ -98,10 +98,10 @@ def assert_relative(got, want, bound: Bound, label: str, detail: str = "") -> No
 
 def model_roundoff(cfg, B: int, T: int, dtype: str = "float32", *, updates: int = 1) -> Bound:
     """A GPT's loss or gradients computed two ways, relative to their size: the longest sum is
-    over B * T rows (a weight's gradient), the MLP's hidden units, V logits or T keys; 2 n_layer
-    + 2 steps a pass (each block's forward and backward, the embedding and the head), in each of
-    ``updates`` updates."""
-    terms = max(B * T, cfg.mlp_hidden_size, cfg.vocab_size, T)
+    over B * T rows (a weight's gradient), the MLP's hidden units, q, k and v's 3C columns (the
+    gradient of the attention's input), V logits or T keys; 2 n_layer + 2 steps a pass (each
+    block's forward and backward, the embedding and the head), in each of ``updates`` updates."""
+    terms = max(B * T, cfg.mlp_hidden_size, 3 * cfg.n_embd, cfg.vocab_size, T)
     return roundoff(dtype, terms, steps=(2 * cfg.n_layer + 2) * updates,
                     why=f"{cfg.n_layer} layers, {B}x{T} tokens, {updates} update(s)")
 
