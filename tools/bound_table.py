@@ -44,7 +44,8 @@ def table(settings: dict) -> str:
         worst = max(seen)
         margin = "exact" if worst == 0 else f"{1 / worst:,.0f}x"
         cells = ["-" if f is None else f"{f:.2g}" for f in fractions]
-        lines.append(f"| {label} | {derivations[label]} | " + " | ".join(cells) + f" | {margin} |")
+        derivation = derivations[label].replace("|", "\\|")  # |x| inside a table cell
+        lines.append(f"| {label} | {derivation} | " + " | ".join(cells) + f" | {margin} |")
     return "\n".join(lines)
 
 
